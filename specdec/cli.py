@@ -1,0 +1,254 @@
+"""The command line: decode one prompt with each method and print the completions, their stats and a speed table.
+
+    python main.py --input "def quicksort(xs):" -M 32 -v          # all methods, tokens coloured by source
+    python main.py --method google --temperature 0 --chat --input "Reverse a list in Python"
+
+Flags of the earlier tool are kept (--input, --target_model_name, --approx_model_name, -v, -s, -M, -g, -b).
+Without model flags the default pair is used. This is the only module that prints.
+"""
+
+import argparse
+import logging
+import os
+import random
+import sys
+
+from .errors import SpecDecError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_INPUT = "Any recommendations for my holidays in Abu Dhabi?"  # the earlier tool's default prompt
+ALL_ORDER = ("target", "draft", "deepmind", "google")  # the earlier tool's order for --method all
+TITLES = {
+    "target": "target only (autoregressive)",
+    "draft": "draft only (autoregressive)",
+    "deepmind": "DeepMind speculative sampling (Chen et al. 2023)",
+    "google": "Google speculative sampling (Leviathan et al. 2023)",
+}
+# source -> (plain-text mark, ANSI colour, legend text)
+SOURCE_STYLES = {
+    "draft": ("d", "32", "draft token accepted by the target"),
+    "resampled": ("r", "34", "resampled by the target after a rejection"),
+    "bonus": ("b", "35", "bonus token from the target (all proposals accepted)"),
+    "target": ("t", "33", "sampled by one model alone (target or draft only)"),
+}
+
+
+def _checked(convert, test, message):
+    """An argparse type: convert, then check, with a one-line message on failure."""
+    def parse(text):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{message}, got {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"{message}, got {text}")
+        return value
+    return parse
+
+
+def _gamma(text):
+    if text == "auto":
+        return None
+    return _checked(int, lambda g: 1 <= g <= 64, "must be an integer from 1 to 64, or auto")(text)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag gives one line (and a pointer to --help) instead of the whole usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
+    parser = _Parser(prog=prog, description="Speculative decoding on one prompt: completions, "
+                                     "stats, and optionally a speed table.")
+    parser.add_argument("--input", default=DEFAULT_INPUT, help="the prompt text")
+    parser.add_argument("--target_model_name", default=None,
+                        help="target: hub id, model folder, .gguf file or alias (default: the default pair's)")
+    parser.add_argument("--approx_model_name", "--draft_model_name", dest="draft_model_name", default=None,
+                        help="draft: hub id, model folder, .gguf file or alias (default: the default pair's)")
+    parser.add_argument("--method", default="all", choices=("all",) + ALL_ORDER,
+                        help="decoding method; all runs target, draft, deepmind and google in turn (default)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="mark each token by its source (coloured on a terminal) and log progress")
+    parser.add_argument("-s", "--seed", type=_checked(int, lambda s: s >= 0, "must be a non-negative integer"),
+                        default=None, help="random seed, shared by all methods (default: random)")
+    parser.add_argument("-M", "--max_tokens", type=_checked(int, lambda n: n >= 1, "must be an integer >= 1"),
+                        default=20, help="tokens to generate (default 20)")
+    parser.add_argument("-g", "--gamma", type=_gamma, default=4,
+                        help="draft tokens proposed per round, or auto for adaptive (default 4)")
+    parser.add_argument("--temperature", type=_checked(float, lambda t: 0 <= t < float("inf"), "must be >= 0"),
+                        default=1.0, help="0 is greedy (default 1.0)")
+    parser.add_argument("--top_k", type=_checked(int, lambda k: k >= 0, "must be an integer >= 0"), default=20,
+                        help="keep the k most likely tokens, 0 keeps all (default 20, as the earlier tool)")
+    parser.add_argument("--top_p", type=_checked(float, lambda p: 0 < p <= 1, "must be in (0, 1]"), default=0.9,
+                        help="nucleus sampling mass (default 0.9, as the earlier tool)")
+    parser.add_argument("--chat", action="store_true", help="wrap the input in the target's chat template")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, "
+                        "float16 or bfloat16")
+    parser.add_argument("--device_map", default=None, help="accelerate device map for the target, e.g. auto")
+    parser.add_argument("--trust_remote_code", action="store_true", help="allow models' own code from the hub")
+    parser.add_argument("-b", "--benchmark", action="store_true",
+                        help="also time each method a few times and print tokens/s and speedup over target only")
+    parser.add_argument("--repeats", type=_checked(int, lambda n: n >= 1, "must be an integer >= 1"), default=3,
+                        help="runs per method for --benchmark (default 3)")
+    return parser
+
+
+def use_color(stream=None, environ=None) -> bool:
+    """Colour only on a terminal, and never when NO_COLOR is set (https://no-color.org)."""
+    stream = sys.stdout if stream is None else stream
+    environ = os.environ if environ is None else environ
+    return not environ.get("NO_COLOR") and hasattr(stream, "isatty") and stream.isatty()
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """Token ids of the prompt, optionally as one user turn in the chat template, ready for the reply."""
+    if not text:
+        raise SpecDecError("the input is empty", field="input")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise SpecDecError("the target's tokenizer has no chat template; drop --chat", field="chat")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text)["input_ids"]
+
+
+def token_pieces(tokenizer, token_ids: list[int]) -> list[str]:
+    """The text each token adds; a token ending inside a multi-byte character shows with the next one."""
+    pieces, shown = [], ""
+    for i in range(len(token_ids)):
+        text = tokenizer.decode(token_ids[: i + 1], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        if text.endswith("\ufffd") and i + 1 < len(token_ids):
+            pieces.append("")
+            continue
+        pieces.append(text[len(shown):] if text.startswith(shown) else text)
+        shown = text
+    return pieces
+
+
+def render_sources(pieces: list[str], sources: list[str], color: bool) -> str:
+    """Tokens marked by source: ANSI colours, or `[d:text]`-style marks where colour is off."""
+    out = []
+    for piece, source in zip(pieces, sources):
+        mark, code, _ = SOURCE_STYLES[source]
+        if not piece:
+            continue
+        out.append(f"\x1b[{code}m{piece}\x1b[0m" if color else f"[{mark}:{piece}]")
+    return "".join(out)
+
+
+def legend(sources, color: bool) -> str:
+    entries = []
+    for source in sources:
+        mark, code, text = SOURCE_STYLES[source]
+        entries.append(f"\x1b[{code}m{text}\x1b[0m" if color else f"[{mark}:...] {text}")
+    return "legend: " + "; ".join(entries)
+
+
+def _number(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def stats_line(stats: dict) -> str:
+    """Tokens, tokens/s (generated tokens only), acceptance rate, tokens per target forward."""
+    return (f"{stats['new_tokens']} tokens | {_number(stats['tokens_per_second'], '.2f')} tokens/s | "
+            f"acceptance {_number(stats['acceptance_rate'], '.2f')} | "
+            f"{_number(stats['tokens_per_target_forward'], '.2f')} tokens per target forward")
+
+
+def _generate(decoder, prompt, method: str, args, seed: int):
+    return decoder.generate(prompt, max_new_tokens=args.max_tokens, method=method, gamma=args.gamma,
+                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
+
+
+def benchmark(decoder, prompt, methods, args, seed: int) -> list[dict]:
+    """Each method `args.repeats` times (seeds seed, seed+1, ...): generated tokens/s and speedup over target."""
+    rows = []
+    for method in methods:
+        tokens = seconds = accepted = proposed = 0
+        for i in range(args.repeats):
+            stats = _generate(decoder, prompt, method, args, seed + i).stats
+            tokens += stats["new_tokens"]
+            seconds += stats["total_seconds"]
+            accepted += stats["accepted"]
+            proposed += stats["proposed"]
+        rows.append({"method": method, "tokens": tokens, "seconds": seconds,
+                     "tokens_per_second": tokens / seconds if seconds > 0 else None,
+                     "acceptance_rate": accepted / proposed if proposed else None})
+    baseline = next(row["tokens_per_second"] for row in rows if row["method"] == "target")
+    for row in rows:
+        speed = row["tokens_per_second"]
+        row["speedup"] = speed / baseline if speed and baseline else None
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'method':<10} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'speedup':>8} {'acceptance':>11}"]
+    for row in rows:
+        speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
+        lines.append(f"{row['method']:<10} {row['tokens']:>7} {row['seconds']:>8.2f} "
+                     f"{_number(row['tokens_per_second'], '.2f'):>9} {speedup:>8} "
+                     f"{_number(row['acceptance_rate'], '.2f'):>11}")
+    return "\n".join(lines)
+
+
+def run(args, out=None) -> int:
+    """Load the pair, decode with each method, print; errors propagate to main."""
+    from .engine import SpeculativeDecoder
+    from .loading import load_pair
+
+    out = sys.stdout if out is None else out
+    draft, target, tokenizer = load_pair(args.draft_model_name, args.target_model_name, device=args.device,
+                                         dtype=args.dtype, device_map=args.device_map,
+                                         trust_remote_code=args.trust_remote_code)
+    decoder = SpeculativeDecoder(draft, target, tokenizer)
+    prompt = encode_prompt(tokenizer, args.input, args.chat)
+    methods = ALL_ORDER if args.method == "all" else (args.method,)
+    seed = args.seed if args.seed is not None else random.randrange(2**31)  # one seed for all methods
+    color = use_color(out)
+
+    if args.verbose:
+        print(f"prompt: {len(prompt)} tokens, seed {seed}, gamma {'auto' if args.gamma is None else args.gamma}, "
+              f"temperature {args.temperature}, top_k {args.top_k}, top_p {args.top_p}", file=out)
+        print(legend(SOURCE_STYLES, color), file=out)
+    for method in methods:
+        result = _generate(decoder, prompt, method, args, seed)
+        print(f"== {method}: {TITLES[method]} ==", file=out)
+        if args.verbose:
+            print(render_sources(token_pieces(tokenizer, result.token_ids), result.sources, color), file=out)
+        else:
+            print(tokenizer.decode(result.token_ids, skip_special_tokens=True), file=out)
+        print(stats_line(result.stats), file=out)
+
+    if args.benchmark:
+        bench_methods = ("target",) + tuple(m for m in methods if m != "target")
+        print(f"== benchmark: {args.repeats} runs per method, {args.max_tokens} tokens each ==", file=out)
+        print(format_table(benchmark(decoder, prompt, bench_methods, args, seed)), file=out)
+    return 0
+
+
+def main(argv=None, prog: str = "main.py") -> int:
+    """Run the command line; returns the exit status (2 for bad input, with one message on stderr)."""
+    parser = build_parser(prog)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit:  # argparse has printed usage and the message (or --help)
+        return exit.code if isinstance(exit.code, int) else 2
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",
+                        stream=sys.stderr)
+    logging.getLogger("specdec.default_pair").setLevel(logging.INFO)  # a first-run conversion shows its progress
+    try:
+        return run(args)
+    except SpecDecError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,145 @@
+"""Service settings: config/default.toml, then the file named by SPECDEC_CONFIG, then SPECDEC_* variables.
+
+`load_settings` merges the layers, validates the result once and raises one ConfigError naming every bad
+key and where its value came from. Decoding defaults here are what a request gets when it leaves a field out;
+limits are never overridden by a request.
+"""
+
+import importlib
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .engine import MAX_GAMMA
+
+DEFAULT_FILE = Path(__file__).resolve().parent.parent / "config" / "default.toml"
+ENV_PREFIX = "SPECDEC_"
+CONFIG_ENV = "SPECDEC_CONFIG"
+ADAPTIVE = "adaptive"
+
+
+class ConfigError(ValueError):
+    """Configuration that the service cannot start with. The message says which key, from where, and why."""
+
+
+class Settings(BaseModel):
+    """The validated service configuration. Every key except `loader` has its default in config/default.toml."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+
+    host: str = Field(min_length=1)
+    port: int = Field(ge=1, le=65535)
+    target_model: str = Field(min_length=1)
+    draft_model: str = Field(min_length=1)
+    device: str = Field(min_length=1)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"]
+    method: Literal["google", "deepmind", "target"]
+    gamma: int | None = Field(ge=1)  # None: adaptive
+    max_gamma: int = Field(ge=1, le=MAX_GAMMA)
+    temperature: float = Field(ge=0, allow_inf_nan=False)
+    top_p: float = Field(gt=0, le=1, allow_inf_nan=False)
+    top_k: int = Field(ge=0)
+    max_new_tokens: int = Field(ge=1)
+    max_new_tokens_limit: int = Field(ge=1)
+    max_prompt_tokens: int = Field(ge=1)
+    queue_size: int = Field(ge=0)
+    queue_timeout: float = Field(gt=0, allow_inf_nan=False)
+    max_body_bytes: int = Field(ge=1024)
+    retry_after: int = Field(ge=1)
+    log_level: Literal["debug", "info", "warning", "error"]
+    # loader(settings) -> (draft, target, tokenizer); None: specdec.load_pair with the model settings.
+    # A "package.module:function" string is imported here, so a bad path fails at start-up.
+    loader: Callable | None = None
+
+    @field_validator("gamma", mode="before")
+    @classmethod
+    def _adaptive(cls, value):
+        if isinstance(value, str) and value.strip().lower() in (ADAPTIVE, "none", "null"):
+            return None
+        return value
+
+    @field_validator("log_level", "dtype", mode="before")
+    @classmethod
+    def _lower(cls, value):
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("loader", mode="before")
+    @classmethod
+    def _import_loader(cls, value):
+        if not isinstance(value, str):
+            return value
+        if not value:
+            return None
+        module_name, _, attribute = value.partition(":")
+        if not module_name or not attribute:
+            raise ValueError(f"must look like 'package.module:function', got {value!r}")
+        try:
+            return getattr(importlib.import_module(module_name), attribute)
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"cannot import {value!r}: {error}") from None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.max_new_tokens > self.max_new_tokens_limit:
+            raise ValueError(f"max_new_tokens ({self.max_new_tokens}) exceeds max_new_tokens_limit "
+                             f"({self.max_new_tokens_limit})")
+        if self.gamma is not None and self.gamma > self.max_gamma:
+            raise ValueError(f"gamma ({self.gamma}) exceeds max_gamma ({self.max_gamma})")
+        return self
+
+
+def _read_toml(path: Path, what: str) -> dict:
+    try:
+        with open(path, "rb") as file:
+            return tomllib.load(file)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise ConfigError(f"cannot read {what} {path}: {error}") from None
+
+
+def _from_env(environ: Mapping[str, str]) -> dict:
+    """SPECDEC_<KEY> for every setting; an empty variable counts as unset."""
+    return {name: environ[ENV_PREFIX + name.upper()] for name in Settings.model_fields
+            if environ.get(ENV_PREFIX + name.upper(), "").strip()}
+
+
+def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+                  defaults: Path = DEFAULT_FILE) -> Settings:
+    """Merge defaults < $SPECDEC_CONFIG file < SPECDEC_* variables < overrides, and validate the result."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+
+    def layer(source: Mapping[str, Any], name) -> None:
+        for key, value in source.items():
+            values[key] = value
+            origin[key] = name(key)
+
+    layer(_read_toml(defaults, "the defaults file"), lambda key: str(defaults))
+    if environ.get(CONFIG_ENV, "").strip():
+        path = Path(environ[CONFIG_ENV]).expanduser()
+        layer(_read_toml(path, f"the file named by {CONFIG_ENV},"), lambda key: str(path))
+    layer(_from_env(environ), lambda key: ENV_PREFIX + key.upper())
+    layer(overrides or {}, lambda key: "create_app")
+
+    try:
+        return Settings(**values)
+    except ValidationError as error:
+        problems = []
+        for item in error.errors():
+            key = str(item["loc"][0]) if item["loc"] else None
+            message = item["msg"].removeprefix("Value error, ")
+            if item["type"] == "extra_forbidden":
+                problems.append(f"unknown setting {key!r} (from {origin[key]})")
+            elif item["type"] == "missing":
+                problems.append(f"{key} is not set (add it to {defaults})")
+            elif key is None:
+                problems.append(message)
+            else:
+                problems.append(f"{key} = {values[key]!r} (from {origin[key]}): {message}")
+        raise ConfigError("invalid configuration: " + "; ".join(problems)) from None

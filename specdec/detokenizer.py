@@ -1,0 +1,106 @@
+"""Committed token ids to completion text, incrementally: UTF-8-safe detokenization, stop strings, per-token text.
+
+The engine knows nothing about text; the service feeds each committed chunk to a Completion and sends what it
+says is safe to send.
+"""
+
+from collections.abc import Callable, Iterable
+
+PROMPT_CONTEXT = 6  # prompt tokens decoded along with the first new ones, so a leading space survives
+
+
+class Detokenizer:
+    """The text each new token adds, decoded in context (the offsets scheme of TGI and vLLM).
+
+    A token that ends inside a UTF-8 character (byte-level BPE) adds "" and the token completing the character
+    adds all of it, so the pieces always join to valid text.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], prompt_ids: list[int]):
+        self._decode = decode
+        self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
+        self._prefix = 0  # ids[prefix:read] is the context whose text was already emitted
+        self._read = len(self._ids)
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return after[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the very end decodes to U+FFFD)."""
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return after[len(before):]
+
+
+class Completion:
+    """The completion so far: kept tokens with their text and source, the text cut at the first stop string,
+    and how much of the text may be sent without ever having to take it back."""
+
+    def __init__(self, decode: Callable[[list[int]], str], prompt_ids: list[int], stop: Iterable[str] = ()):
+        self._detokenizer = Detokenizer(decode, prompt_ids)
+        self._stop = [s for s in stop if s]
+        self._longest_stop = max((len(s) for s in self._stop), default=0)
+        self.text = ""
+        self.tokens: list[dict] = []  # {"id", "text", "source"}, up to the token that completed a stop string
+        self.stopped = False  # a stop string was found
+        self.finished = False
+        self._sent = 0
+
+    def feed(self, token_ids: list[int], sources: list[str]) -> list[dict]:
+        """Add one committed chunk; returns the tokens kept from it (those after a stop string are dropped)."""
+        kept = []
+        for token_id, source in zip(token_ids, sources):
+            if self.stopped:
+                break
+            self._append(token_id, source, self._detokenizer.add(token_id), kept)
+        return kept
+
+    def finish(self) -> None:
+        """Decoding ended: release the held-back text (unless a stop string already cut it)."""
+        if not self.stopped and not self.finished:
+            rest = self._detokenizer.flush()
+            if rest:
+                self.text += rest
+                if self.tokens:
+                    self.tokens[-1]["text"] += rest
+                self._cut(len(rest))
+        self.finished = True
+
+    def take(self) -> str:
+        """Text not sent yet that no later token can change (a possible start of a stop string is held)."""
+        end = len(self.text) if self.stopped or self.finished else len(self.text) - self._held()
+        piece = self.text[self._sent:end] if end > self._sent else ""
+        self._sent = max(self._sent, end)
+        return piece
+
+    def _append(self, token_id: int, source: str, piece: str, kept: list[dict]) -> None:
+        token = {"id": token_id, "text": piece, "source": source}
+        self.tokens.append(token)
+        kept.append(token)
+        self.text += piece
+        self._cut(len(piece))
+
+    def _cut(self, added: int) -> None:
+        """Cut the text at the first stop string that the last `added` characters may have completed."""
+        if not self._stop or not added:
+            return
+        start = max(0, len(self.text) - added - self._longest_stop + 1)
+        hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def _held(self) -> int:
+        """Length of the longest end of the text that is a proper prefix of some stop string."""
+        for n in range(min(self._longest_stop - 1, len(self.text)), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0

@@ -1,0 +1,224 @@
+"""engine.py: greedy equivalence, stopping, provenance, stats, reproducibility and input checks."""
+
+import pytest
+import torch
+
+from conftest import ARCHITECTURES, make_model, make_tokenizer, perturbed_copy
+from specdec import SpecDecError, SpeculativeDecoder
+from specdec.kv_cache import CachedModel
+
+PROMPT = [3, 1, 4, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = make_model("llama", seed=0, initializer_range=0.1)
+    return perturbed_copy(target, noise=0.3), target
+
+
+@pytest.fixture(scope="module")
+def decoder(pair):
+    return SpeculativeDecoder(*pair)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("method", ["google", "deepmind"])
+def test_greedy_equals_target_greedy(arch, method):
+    target = make_model(arch, seed=0, initializer_range=0.1)
+    decoder = SpeculativeDecoder(perturbed_copy(target, noise=0.3), target)
+    reference = decoder.generate(PROMPT, max_new_tokens=40, method="target", temperature=0)
+    accepted = proposed = 0
+    for gamma in (1, 2, 4, 7, None):
+        result = decoder.generate(PROMPT, max_new_tokens=40, method=method, gamma=gamma, temperature=0)
+        assert result.token_ids == reference.token_ids, (arch, method, gamma)
+        accepted, proposed = accepted + result.stats["accepted"], proposed + result.stats["proposed"]
+    assert 0 < accepted < proposed  # the test exercised both acceptances and rejections
+
+
+def test_target_greedy_equals_hf_generate(pair):
+    _, target = pair
+    decoder = SpeculativeDecoder(*pair)
+    ours = decoder.generate(PROMPT, max_new_tokens=20, method="target", temperature=0)
+    hf = target.generate(torch.tensor([PROMPT]), max_new_tokens=20, do_sample=False, min_new_tokens=20)
+    assert ours.token_ids == hf[0, len(PROMPT):].tolist()
+
+
+def test_identical_draft_accepts_everything():
+    target = make_model("qwen2", seed=2, initializer_range=0.1)
+    decoder = SpeculativeDecoder(target, target)
+    for method in ("google", "deepmind"):
+        for temperature in (0.0, 1.0):
+            result = decoder.generate(PROMPT, max_new_tokens=30, method=method, gamma=4, temperature=temperature,
+                                      seed=1)
+            assert result.stats["accepted"] == result.stats["proposed"] > 0
+            assert set(result.sources) == {"draft", "bonus"}
+
+
+@pytest.mark.parametrize("method", ["google", "deepmind", "target", "draft"])
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 13])
+def test_exact_max_new_tokens(decoder, method, max_new_tokens):
+    result = decoder.generate(PROMPT, max_new_tokens=max_new_tokens, method=method, gamma=4, seed=0)
+    assert len(result.token_ids) == len(result.sources) == max_new_tokens
+    assert result.finish_reason == "length"
+    assert result.stats["new_tokens"] == max_new_tokens
+
+
+def test_sources_labels(decoder):
+    spec = decoder.generate(PROMPT, max_new_tokens=60, method="google", gamma=3, seed=0)
+    assert set(spec.sources) <= {"draft", "resampled", "bonus"}
+    assert {"draft", "resampled", "bonus"} <= set(spec.sources)
+    for method in ("target", "draft"):
+        assert set(decoder.generate(PROMPT, max_new_tokens=5, method=method, seed=0).sources) == {"target"}
+
+
+def test_eos_inside_accepted_draft_run():
+    target = make_model("llama", seed=0, initializer_range=0.1)
+    decoder = SpeculativeDecoder(target, target)  # every proposal is accepted
+    greedy = decoder.generate(PROMPT, max_new_tokens=12, method="target", temperature=0).token_ids
+    eos = greedy[5]
+    first = greedy.index(eos)
+    for method in ("google", "deepmind", "target"):
+        result = decoder.generate(PROMPT, max_new_tokens=12, method=method, gamma=8, temperature=0, eos_token_id=eos)
+        assert result.token_ids == greedy[: first + 1]
+        assert result.finish_reason == "stop"
+    result = decoder.generate(PROMPT, max_new_tokens=12, method="google", gamma=8, temperature=0,
+                              eos_token_id=[10_000, eos])
+    assert result.token_ids[-1] == eos and result.sources[-1] == "draft"
+
+
+def test_eos_from_generation_config():
+    target = make_model("llama", seed=0, initializer_range=0.1)
+    greedy = SpeculativeDecoder(target, target).generate(PROMPT, max_new_tokens=12, method="target",
+                                                          temperature=0).token_ids
+    target.generation_config.eos_token_id = [greedy[3]]
+    result = SpeculativeDecoder(target, target).generate(PROMPT, max_new_tokens=12, temperature=0)
+    assert result.token_ids == greedy[: greedy.index(greedy[3]) + 1] and result.finish_reason == "stop"
+
+
+def test_token_id_zero_is_a_normal_token():
+    target = make_model("llama", seed=0, vocab_size=64)
+    with torch.no_grad():
+        target.get_output_embeddings().weight[0] = target.get_output_embeddings().weight[0] + 10
+        target.get_output_embeddings().weight[0].mul_(0)  # a zero row, plus a bias via the norm: make 0 the argmax
+        target.get_output_embeddings().weight[0] = target.model.norm.weight * 50
+    decoder = SpeculativeDecoder(target, target)
+    result = decoder.generate([0, 0, 0], max_new_tokens=8, temperature=0)
+    assert 0 in result.token_ids
+    assert decoder.generate([0], max_new_tokens=3, seed=0).token_ids
+
+
+def test_seed_reproducibility_and_seed_zero(decoder):
+    for method in ("google", "deepmind", "target"):
+        a = decoder.generate(PROMPT, max_new_tokens=30, method=method, seed=0)
+        b = decoder.generate(PROMPT, max_new_tokens=30, method=method, seed=0)
+        c = decoder.generate(PROMPT, max_new_tokens=30, method=method, seed=1)
+        assert a.token_ids == b.token_ids and a.sources == b.sources
+        assert a.token_ids != c.token_ids
+    assert decoder.generate(PROMPT, max_new_tokens=5, seed=None).stats["seed"] >= 0
+
+
+def test_does_not_touch_global_rng(decoder):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    decoder.generate(PROMPT, max_new_tokens=10, seed=5)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_tensor_input(decoder):
+    as_list = decoder.generate(PROMPT, max_new_tokens=6, seed=0)
+    as_tensor = decoder.generate(torch.tensor([PROMPT]), max_new_tokens=6, seed=0)
+    assert as_list.token_ids == as_tensor.token_ids
+
+
+def test_stats(decoder):
+    stats = decoder.generate(PROMPT, max_new_tokens=20, method="google", gamma=3, seed=0).stats
+    assert stats["new_tokens"] == 20
+    assert stats["acceptance_rate"] == pytest.approx(stats["accepted"] / stats["proposed"])
+    assert stats["tokens_per_target_forward"] == pytest.approx(20 / stats["target_forwards"])
+    assert stats["draft_forwards"] >= stats["proposed"] - stats["rounds"]
+    for key in ("draft_seconds", "target_seconds", "other_seconds"):
+        assert stats[key] >= 0
+    assert stats["draft_seconds"] + stats["target_seconds"] + stats["other_seconds"] == pytest.approx(
+        stats["total_seconds"], rel=1e-6)
+    baseline = decoder.generate(PROMPT, max_new_tokens=10, method="target", seed=0).stats
+    assert baseline["target_forwards"] == 10 and baseline["draft_forwards"] == 0
+    assert baseline["tokens_per_target_forward"] == 1.0 and baseline["acceptance_rate"] is None
+
+
+def test_stream_chunks_add_up(decoder):
+    stream = decoder.stream(PROMPT, max_new_tokens=25, method="google", gamma=4, seed=3)
+    chunks = []
+    while True:
+        try:
+            chunks.append(next(stream))
+        except StopIteration as done:
+            result = done.value
+            break
+    assert [t for c in chunks for t in c.token_ids] == result.token_ids
+    assert any(len(c.token_ids) > 1 for c in chunks)
+    assert result.token_ids == decoder.generate(PROMPT, max_new_tokens=25, gamma=4, seed=3).token_ids
+
+
+def test_caches_hold_committed_prefix_after_each_round(pair, monkeypatch):
+    """After every round both caches hold a prefix of the committed sequence: everything but the newest token."""
+    decoder = SpeculativeDecoder(*pair)
+    seen = []
+    original = CachedModel.rollback
+
+    def spy(self, length):
+        original(self, length)
+        seen.append((self.length, length))
+
+    monkeypatch.setattr(CachedModel, "rollback", spy)
+    stream = decoder.stream(PROMPT, max_new_tokens=30, method="google", gamma=4, seed=0)
+    committed = len(PROMPT)
+    for chunk in stream:
+        committed += len(chunk.token_ids)
+        target_len, draft_len = seen[-2][0], seen[-1][0]
+        assert target_len == committed - 1
+        assert draft_len <= committed - 1
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"gamma": 0}, "gamma"), ({"gamma": -1}, "gamma"), ({"gamma": 2.5}, "gamma"),
+    ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
+    ({"max_new_tokens": 0}, "max_new_tokens"), ({"method": "beam"}, "method"), ({"seed": "x"}, "seed"),
+])
+def test_bad_arguments_raise_clear_error(decoder, kwargs, field):
+    with pytest.raises(SpecDecError) as err:
+        decoder.generate(PROMPT, **kwargs)
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("prompt", [[], [1, 2, 10_000], [-1], "abc", [1.5]])
+def test_bad_prompt(decoder, prompt):
+    with pytest.raises(SpecDecError):
+        decoder.generate(prompt)
+
+
+def test_prompt_that_fills_the_context_is_an_error():
+    target = make_model("gpt2", context=16)
+    decoder = SpeculativeDecoder(target, target)
+    with pytest.raises(SpecDecError, match="context"):
+        decoder.generate(list(range(16)))
+    result = decoder.generate(list(range(12)), max_new_tokens=50, gamma=4, seed=0)
+    assert len(result.token_ids) == 4 and result.finish_reason == "length"
+
+
+def test_mismatched_vocabularies_name_both_sizes():
+    with pytest.raises(SpecDecError, match="64.*80|80.*64"):
+        SpeculativeDecoder(make_model("llama", vocab_size=64), make_model("llama", vocab_size=80))
+
+
+def test_padded_target_vocabulary_with_tokenizer():
+    tokenizer = make_tokenizer()  # 100 real tokens
+    draft = make_model("llama", seed=1, vocab_size=100)
+    target = make_model("llama", seed=0, vocab_size=128)  # embedding padded beyond the tokenizer
+    decoder = SpeculativeDecoder(draft, target, tokenizer)
+    assert decoder.vocab_size == 100
+    result = decoder.generate([5, 6], max_new_tokens=40, seed=0, temperature=1.5)
+    assert max(result.token_ids) < 100
+    with pytest.raises(SpecDecError):
+        SpeculativeDecoder(make_model("llama", vocab_size=64), target, tokenizer)

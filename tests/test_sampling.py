@@ -1,0 +1,60 @@
+"""sampling.py: warpers match transformers' own, greedy is one-hot, draws follow the distribution."""
+
+import pytest
+import torch
+from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                     TopPLogitsWarper)
+
+from specdec.sampling import logits_to_probs, sample, warp_logits
+
+
+def hf_probs(logits, temperature, top_k, top_p):
+    scores = logits.clone()
+    ids = torch.zeros(logits.shape[0], 1, dtype=torch.long)
+    scores = TemperatureLogitsWarper(temperature)(ids, scores)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(ids, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(ids, scores)
+    return scores.softmax(-1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.5, 5, 1.0), (1.0, 0, 0.8),
+                                                     (0.7, 10, 0.9), (1.0, 1, 1.0), (1.0, 0, 0.01)])
+def test_warpers_match_transformers(temperature, top_k, top_p):
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
+    ours = logits_to_probs(logits, temperature, top_k, top_p)
+    torch.testing.assert_close(ours, hf_probs(logits, temperature, top_k, top_p))
+
+
+def test_top_k_keeps_ties():
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
+    assert torch.isfinite(warp_logits(logits, 1.0, 1, 1.0)).tolist() == [[False, True, True, False]]
+
+
+def test_greedy_is_one_hot_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [5.0, 0.0, 0.0]])
+    assert logits_to_probs(logits, 0.0).tolist() == [[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]
+
+
+def test_sample_never_draws_zero_probability_and_token_zero_is_normal():
+    probs = torch.tensor([0.5, 0.0, 0.5, 0.0])
+    generator = torch.Generator().manual_seed(0)
+    draws = [sample(probs, generator) for _ in range(2000)]
+    assert set(draws) == {0, 2}
+    assert abs(draws.count(0) / len(draws) - 0.5) < 0.05
+
+
+def test_sample_frequencies_match_probabilities():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    generator = torch.Generator().manual_seed(1)
+    counts = torch.bincount(torch.tensor([sample(probs, generator) for _ in range(20000)]), minlength=4)
+    assert torch.allclose(counts / 20000, probs, atol=0.015)
+
+
+def test_sample_is_reproducible_with_seed_zero():
+    probs = torch.softmax(torch.randn(30), -1)
+    first = [sample(probs, torch.Generator().manual_seed(0)) for _ in range(1)]
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    assert [sample(probs, g1) for _ in range(20)] == [sample(probs, g2) for _ in range(20)]
+    assert first

@@ -5,15 +5,19 @@ error handler turns into `{"error": {"type", "message", "field"}}`.
 """
 
 import json
+import sys
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .config import Settings
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+# Below this a temperature overflows float32 logits (x / t becomes inf, softmax NaN); 0 itself means greedy.
+MIN_TEMPERATURE = 1e-5
+INT_DIGITS = sys.get_int_max_str_digits() or 4300  # Python refuses to parse longer integer literals
 
 
 class ApiError(Exception):
@@ -21,6 +25,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, type: str, message: str, field: str | None = None,
                  headers: dict | None = None):
+        message, field = _printable(message), None if field is None else _printable(field)
         super().__init__(message)
         self.status, self.type, self.message, self.field = status, type, message, field
         self.headers = headers or {}
@@ -47,6 +52,20 @@ class PredictRequest(BaseModel):
     chat: bool | None = None
     details: bool | None = None
     stream: bool | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("the prompt must contain more than whitespace")
+        return value
+
+    @field_validator("temperature")
+    @classmethod
+    def _not_tiny(cls, value: float | None) -> float | None:
+        if value is not None and 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+        return value
 
 
 @dataclass(frozen=True)
@@ -77,16 +96,41 @@ def read_json_object(request, max_bytes: int) -> dict:
         sent = request.headers.get("Content-Type") or "none"
         raise ApiError(415, "unsupported_media_type",
                        f"send the body as application/json (UTF-8); the Content-Type was {sent}")
-    data = request.get_data(cache=False)  # werkzeug raises 413 here for an over-long chunked body
+    data = request.get_data(cache=False)  # a chunked body (no Content-Length) is read up to max_bytes + 1
+    if len(data) > max_bytes:
+        raise ApiError(413, "body_too_large", f"the request body is over the limit of {max_bytes} bytes")
     try:
-        body = json.loads(data.decode("utf-8"))
+        body = json.loads(data.decode("utf-8"), parse_int=_parse_int)
     except UnicodeDecodeError:
         raise ApiError(400, "invalid_json", "the body is not valid UTF-8") from None
     except json.JSONDecodeError as error:
         raise ApiError(400, "invalid_json", f"the body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise ApiError(400, "invalid_json", "the body is nested too deeply") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "invalid_json", f"the body must be a JSON object, got {type(body).__name__}")
+        raise ApiError(400, "invalid_json", f"the body must be a JSON object, got {_json_type(body)}")
     return body
+
+
+class HugeInteger:
+    """An integer literal too long for Python to parse: no field accepts it, and the 422 names the field."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __str__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+def _parse_int(text: str) -> "int | HugeInteger":
+    digits = len(text.lstrip("-"))
+    return int(text) if digits <= INT_DIGITS else HugeInteger(digits)
+
+
+def _json_type(value) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+             type(None): "null", HugeInteger: "number"}
+    return names.get(type(value), type(value).__name__)
 
 
 def parse_predict(body: dict, settings: Settings) -> Params:
@@ -121,10 +165,21 @@ def _invalid_field(error: dict) -> ApiError:
     elif error["type"] == "missing":
         message = f"{field} is required"
     else:
-        message = f"{where}: {error['msg']}, got {_short(error.get('input'))}"
+        message = f"{where}: {error['msg'].removeprefix('Value error, ')}, got {_short(error.get('input'))}"
     return ApiError(422, "invalid_field", message, field)
 
 
+def _printable(text: str) -> str:
+    """Text that encodes as UTF-8: a lone surrogate echoed from a request becomes a visible escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _short(value) -> str:
-    text = json.dumps(value) if not isinstance(value, float) else repr(value)
+    if isinstance(value, (float, HugeInteger)):
+        text = str(value)
+    else:
+        try:
+            text = json.dumps(value)
+        except (RecursionError, TypeError, ValueError):  # nested too deeply to echo
+            text = f"a JSON {_json_type(value)}"
     return text if len(text) <= 60 else text[:57] + "..."

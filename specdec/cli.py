@@ -64,9 +64,10 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
     parser = _Parser(prog=prog, description="Speculative decoding on one prompt: completions, "
                                      "stats, and optionally a speed table.")
     parser.add_argument("--input", default=DEFAULT_INPUT, help="the prompt text")
-    parser.add_argument("--target_model_name", default=None,
+    parser.add_argument("--target_model_name", default=None, metavar="NAME",
                         help="target: hub id, model folder, .gguf file or alias (default: the default pair's)")
     parser.add_argument("--approx_model_name", "--draft_model_name", dest="draft_model_name", default=None,
+                        metavar="NAME",
                         help="draft: hub id, model folder, .gguf file or alias (default: the default pair's)")
     parser.add_argument("--method", default="all", choices=("all",) + ALL_ORDER,
                         help="decoding method; all runs target, draft, deepmind and google in turn (default)")

@@ -48,6 +48,7 @@ class Settings(BaseModel):
     max_prompt_tokens: int = Field(ge=1)
     queue_size: int = Field(ge=0)
     queue_timeout: float = Field(gt=0, allow_inf_nan=False)
+    request_timeout: float = Field(gt=0, allow_inf_nan=False)
     max_body_bytes: int = Field(ge=1024)
     retry_after: int = Field(ge=1)
     log_level: Literal["debug", "info", "warning", "error"]

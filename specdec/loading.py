@@ -209,10 +209,12 @@ def check_tokenizers(draft_tokenizer, target_tokenizer) -> None:
 
 
 def load_pair(draft: str | None = None, target: str | None = None, device: str = "auto", dtype: str = "auto",
-              device_map=None, trust_remote_code: bool = False):
+              device_map=None, trust_remote_code: bool = False, cpu_kernels: bool = True):
     """(draft_model, target_model, tokenizer) ready for SpeculativeDecoder; None or "default" is the default pair.
 
     `device_map` (e.g. "auto") spreads the target over several GPUs with accelerate; the draft stays on `device`.
+    `cpu_kernels`: pack float32 CPU linear layers once (specdec.cpu_linear), so verifying gamma tokens in one
+    target forward costs about what one token does; models elsewhere or in half precision are left as loaded.
     """
     from .engine import check_vocabularies
 
@@ -239,4 +241,9 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     if len(tokenizer) > vocab_size:
         raise SpecDecError(f"the tokenizer has {len(tokenizer)} tokens but the models only {vocab_size} logits",
                            field="target_model")
+    if cpu_kernels and dtype == torch.float32:
+        from .cpu_linear import pack_linears
+
+        pack_linears(target_model)
+        pack_linears(draft_model)
     return draft_model, target_model, tokenizer

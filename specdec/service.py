@@ -5,8 +5,10 @@ after fork), so /healthz answers at once and /readyz says 503 until the pair is 
 the engine one at a time (see scheduler.py). Every error leaves through one handler as JSON.
 """
 
+import gc
 import json
 import logging
+import os
 import re
 import secrets
 import threading
@@ -15,10 +17,12 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from flask import Flask, Response, g, jsonify, request
+import torch
+from flask import Flask, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from .api import ApiError, Params, parse_predict, read_json_object
+from .openapi import openapi_document
 from .config import Settings, load_settings
 from .detokenizer import Completion
 from .engine import SpeculativeDecoder
@@ -39,7 +43,8 @@ def create_app(config: Mapping | None = None) -> Flask:
     """The application. `config` overrides settings (see config.py), e.g. {"loader": fn} in tests."""
     settings = load_settings(config)
     app = Flask(__name__)
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    # one byte of slack: werkzeug stops a chunked body at the limit without saying so; api.py checks the length
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes + 1
     app.json.sort_keys = False
     app.json.ensure_ascii = False
     service = Service(settings)
@@ -54,7 +59,10 @@ def create_app(config: Mapping | None = None) -> Flask:
     def finish_record(response):
         record = g.record
         record.status = response.status_code
-        record.endpoint = request.url_rule.rule if request.url_rule else "unmatched"
+        if request.url_rule is not None:
+            record.endpoint = request.url_rule.rule
+        elif response.status_code == 405:  # a known path: the label set stays bounded
+            record.endpoint = request.path
         record.route = f"{request.method} {request.path}"
         response.headers["X-Request-ID"] = record.request_id
         if response.is_streamed:
@@ -84,6 +92,10 @@ def create_app(config: Mapping | None = None) -> Flask:
         body, content_type = service.metrics.render()
         return Response(body, content_type=content_type)
 
+    @app.get("/openapi.json")
+    def openapi():
+        return openapi_document(settings)
+
     @app.post("/predict")
     def predict():
         params = parse_predict(read_json_object(request, settings.max_body_bytes), settings)
@@ -104,13 +116,27 @@ def to_api_error(error: Exception, record: "RequestRecord | None") -> ApiError:
             message = f"no such route: {request.path}"
         elif error.code == 405:
             message = f"{request.method} is not allowed on {request.path}"
+        elif error.code == 413:
+            message = f"the request body is over the limit of {current_app.config['MAX_CONTENT_LENGTH'] - 1} bytes"
         else:
             message = error.description
         headers = {k: v for k, v in error.get_headers() if k.lower() == "allow"}
         return ApiError(error.code, HTTP_ERROR_TYPES.get(error.code, "bad_request"), message, headers=headers)
     request_id = record.request_id if record else "-"
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        logger.error("request_id=%s ran out of memory", request_id, exc_info=error)
+        _release_memory()
+        return ApiError(500, "internal_error", f"the server ran out of memory for this request; quote request id "
+                                               f"{request_id} when reporting it")
     logger.error("request_id=%s failed with an unexpected error", request_id, exc_info=error)
     return ApiError(500, "internal_error", f"internal error; quote request id {request_id} when reporting it")
+
+
+def _release_memory() -> None:
+    """After an out-of-memory error: free what the failed request held, so the next one starts clean."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 @dataclass
@@ -199,8 +225,8 @@ class Service:
     def require_ready(self) -> None:
         if self.decoder is not None:
             return
-        if self.load_error is not None:
-            raise ApiError(503, "not_ready", f"model loading failed: {self.load_error}")
+        if self.load_error is not None:  # the reason (paths and all) is in the log, not in answers
+            raise ApiError(503, "not_ready", "model loading failed; the server log says why")
         raise ApiError(503, "not_ready", "the models are still loading",
                        headers={"Retry-After": str(self.settings.retry_after)})
 
@@ -254,6 +280,11 @@ class Service:
             raise
         generation = record.generation = Generation(self, params, prompt_ids, seed, stream, slot, record)
         if params.stream:
+            # A client that stops reading would block a write, and hold the engine, for ever: under gunicorn, no
+            # write of this stream may block longer than the time budget (gunicorn resets it for the next request).
+            sock = request.environ.get("gunicorn.socket")
+            if sock is not None:
+                sock.settimeout(self.settings.request_timeout)
             return Response(generation.events(), mimetype="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -292,6 +323,8 @@ class Generation:
         self.result = None
         self.chunks = self.new_tokens = self.accepted = 0
         self.started = time.perf_counter()
+        self.deadline = self.started + service.settings.request_timeout  # the engine is ours until then
+        self.timed_out = False
         self.closed = False
         self._close_lock = threading.Lock()
 
@@ -313,9 +346,25 @@ class Generation:
         self.new_tokens += len(chunk.token_ids)
         self.accepted += chunk.sources.count("draft")
         kept = self.completion.feed(chunk.token_ids, chunk.sources)
-        if self.completion.stopped:
-            self.stream.close()  # a stop string: no more rounds
+        if self.completion.stopped:  # a stop string: no more rounds, but keep the engine's stats
+            self._end()
+        elif time.perf_counter() > self.deadline and not self._finished_by(chunk):  # the time budget is spent
+            self.timed_out = True
+            self._end()
+            self.completion.finish()
         return kept
+
+    def _end(self) -> None:
+        """End decoding after the round just committed; the engine returns its result (and stats)."""
+        try:
+            self.stream.send("stop")
+        except StopIteration as end:
+            self.result = end.value
+
+    def _finished_by(self, chunk) -> bool:
+        """Whether this round ended decoding anyway (max_new_tokens reached, or an end-of-sequence token)."""
+        return (self.new_tokens >= self.params.max_new_tokens
+                or bool(chunk.token_ids) and chunk.token_ids[-1] in self.service.eos_token_ids)
 
     def run(self) -> None:
         while self.step() is not None:
@@ -324,12 +373,14 @@ class Generation:
     def finish_reason(self) -> str | None:
         if self.completion.stopped:
             return "stop"
+        if self.timed_out:
+            return "time_limit"
         return self.result.finish_reason if self.result is not None else None
 
     def stats(self) -> dict:
         if self.result is not None:
             stats = dict(self.result.stats)
-        else:  # ended early (stop string): the engine's own counters are gone, so count from the chunks
+        else:  # abandoned (client gone, error): the engine's own counters are gone, so count from the chunks
             total = time.perf_counter() - self.started
             speculative = self.params.method in ("google", "deepmind")
             stats = {"method": self.params.method, "gamma": self.params.gamma if speculative else None,
@@ -401,7 +452,10 @@ def _ids(value) -> set[int]:
 
 
 def _name(model, configured: str) -> str:
-    return getattr(model, "name_or_path", None) or configured
+    """The model's name for /readyz: a Hugging Face id as is, a local folder or file by its last component only
+    (answers never show server paths)."""
+    name = str(getattr(model, "name_or_path", None) or configured)
+    return os.path.basename(os.path.normpath(name)) if os.path.exists(name) else name
 
 
 def _dash(value) -> str:

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from _pytest.nodeid import NodeId
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (AutoModelForCausalLM, BloomConfig, GPT2Config, LlamaConfig, PreTrainedTokenizerFast,
                           Qwen2Config)
@@ -90,6 +91,16 @@ def save_tiny_pair(folder, arch: str = "llama", vocab_size: int = 100, noise: fl
         tokenizer.save_pretrained(path)
         paths[name] = path
     return paths["draft"], paths["target"]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    # pytest 9.2 reads a node's id from Node._id, while pytest-xdist 3.8 writes its `--dist loadgroup` tag
+    # ("...@group") into Node._nodeid; copy it over so xdist_group marks keep a group on one worker
+    for item in items:
+        tagged = item.__dict__.get("_nodeid")
+        if tagged and tagged != item.nodeid:
+            item._id = NodeId.parse(tagged)
 
 
 @pytest.fixture(scope="session")

@@ -160,6 +160,17 @@ def test_stream_chunks_add_up(decoder):
     assert result.token_ids == decoder.generate(PROMPT, max_new_tokens=25, gamma=4, seed=3).token_ids
 
 
+def test_send_stop_ends_with_stats(decoder):
+    stream = decoder.stream(PROMPT, max_new_tokens=40, method="google", gamma=4, seed=3)
+    first = next(stream)
+    with pytest.raises(StopIteration) as done:
+        stream.send("stop")
+    result = done.value.value
+    assert result.finish_reason == "stop"
+    assert result.token_ids == first.token_ids
+    assert result.stats["proposed"] >= 1 and result.stats["rounds"] == 1
+
+
 def test_caches_hold_committed_prefix_after_each_round(pair, monkeypatch):
     """After every round both caches hold a prefix of the committed sequence: everything but the newest token."""
     decoder = SpeculativeDecoder(*pair)

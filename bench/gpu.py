@@ -1,0 +1,116 @@
+"""GPU cost profile of speculative decoding with realistic shapes and random weights (no downloads).
+
+Builds a ~7B Llama-shape target and a ~0.5B draft in bfloat16 and reports, for gamma 1-8: the cost of one
+target forward over gamma+1 new tokens relative to one token, the draft/target cost ratio c, and the engine's
+per-round time outside model forwards as a share of the round. Random weights make acceptance meaningless, so
+no end-to-end speedup is claimed from these figures.
+
+    python bench/gpu.py                      # on a CUDA machine: writes bench/results/gpu.json and prints a table
+    python bench/gpu.py --tiny --device cpu  # a seconds-long smoke run of the same code on tiny shapes
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from specdec import SpeculativeDecoder  # noqa: E402
+from specdec.bench import machine_info  # noqa: E402
+
+SHAPES = {  # name: (hidden, intermediate, layers, heads, kv_heads)
+    "target-7b": (4096, 11008, 32, 32, 32),
+    "draft-0.5b": (1024, 2816, 24, 16, 16),
+    "tiny-target": (64, 128, 2, 4, 4),
+    "tiny-draft": (32, 64, 1, 4, 4),
+}
+
+
+def build(shape: str, vocab: int, device: str, dtype: torch.dtype):
+    hidden, inter, layers, heads, kv = SHAPES[shape]
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=4096,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+@torch.inference_mode()
+def forward_ms(model, context: int, new: int, device: str, repeats: int) -> float:
+    """Median ms of one forward over `new` tokens after a cached context of `context` tokens."""
+    cache = DynamicCache(config=model.config)
+    ids = torch.randint(0, model.config.vocab_size, (1, context + new), device=device)
+    model(input_ids=ids[:, :context], cache=cache, use_cache=True)
+    times = []
+    for _ in range(repeats + 2):
+        sync(device)
+        start = time.perf_counter()
+        model(input_ids=ids[:, context:], cache=cache, use_cache=True, logits_to_keep=new)
+        sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+        cache.crop(-new)
+    return statistics.median(times[2:])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--tokens", type=int, default=64, help="tokens generated per engine run")
+    parser.add_argument("--out", default="bench/results/gpu.json")
+    args = parser.parse_args(argv)
+
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    vocab = 512 if args.tiny else 32000
+    target = build("tiny-target" if args.tiny else "target-7b", vocab, args.device, dtype)
+    draft = build("tiny-draft" if args.tiny else "draft-0.5b", vocab, args.device, dtype)
+
+    one_target = forward_ms(target, args.context, 1, args.device, args.repeats)
+    one_draft = forward_ms(draft, args.context, 1, args.device, args.repeats)
+    decoder = SpeculativeDecoder(draft, target)
+    prompt = torch.randint(0, vocab, (args.context,)).tolist()
+    rows = []
+    for gamma in range(1, 9):
+        verify = forward_ms(target, args.context, gamma + 1, args.device, args.repeats)
+        decoder.generate(prompt, max_new_tokens=8, gamma=gamma, temperature=0)  # warm-up
+        stats = decoder.generate(prompt, max_new_tokens=args.tokens, gamma=gamma, temperature=0).stats
+        rows.append({"gamma": gamma, "target_forward_ms": verify, "relative_to_one_token": verify / one_target,
+                     "outside_forward_share": stats["other_seconds"] / stats["total_seconds"],
+                     "engine_ms_per_round_outside_forwards": 1e3 * stats["other_seconds"] / stats["rounds"]})
+    report = {"machine": machine_info(), "device": args.device, "dtype": str(dtype), "context": args.context,
+              "target_one_token_ms": one_target, "draft_one_token_ms": one_draft, "cost_ratio_c": one_draft / one_target,
+              "shapes": "tiny" if args.tiny else "7B target / 0.5B draft (random weights)", "by_gamma": rows}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    print(f"{report['shapes']} on {report['machine'].get('cuda') or report['machine']['cpu']}, {dtype}, "
+          f"context {args.context}: target 1 token {one_target:.2f} ms, draft {one_draft:.2f} ms, "
+          f"c = {report['cost_ratio_c']:.3f}")
+    print("| gamma | target fwd over gamma+1 (ms) | vs 1 token | outside forwards (share of round) |")
+    print("|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['gamma']} | {row['target_forward_ms']:.2f} | {row['relative_to_one_token']:.2f}x "
+              f"| {100 * row['outside_forward_share']:.1f}% |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""gunicorn settings for the specdec service (`python serving.py`, `make serve`, the Docker image).
+
+One worker: both models are resident in it, and they load there, after fork (CUDA cannot be re-initialised in
+a forked child, so nothing here or in the master touches the GPU). Threads let waiting requests queue while
+one decodes; the service's scheduler bounds that queue. Bind address, port and limits come from the specdec
+settings (config/default.toml < $SPECDEC_CONFIG < SPECDEC_* variables); gunicorn's own options may still be
+overridden on its command line or in GUNICORN_CMD_ARGS.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+from specdec.config import ConfigError, load_settings  # noqa: E402
+
+try:
+    _settings = load_settings()
+except ConfigError as _error:
+    sys.exit(f"specdec: {_error}")  # one clear message, no traceback, exit status 1
+
+wsgi_app = "serving:create_app()"
+bind = [f"[{_settings.host}]:{_settings.port}" if ":" in _settings.host else f"{_settings.host}:{_settings.port}"]
+workers = 1
+worker_class = "gthread"
+# One thread decodes, queue_size wait for it, and a few more answer /healthz, /metrics and 503s meanwhile.
+threads = _settings.queue_size + 4
+# gthread's main loop heartbeats while request threads decode, so this bounds a hung worker, not a generation.
+timeout = 120
+# On SIGTERM the worker stops accepting and lets in-flight and queued requests finish for up to this long:
+# a request waits at most queue_timeout for its turn, then decodes for at most request_timeout.
+graceful_timeout = int(_settings.queue_timeout + _settings.request_timeout) + 10
+keepalive = 5
+control_socket_disable = True  # one fixed worker: nothing to manage at runtime, and no socket under $HOME
+
+# Logs go to stdout. The service writes one line per request itself, so gunicorn's access log stays quiet.
+accesslog = None
+loglevel = _settings.log_level
+logconfig_dict = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s [%(process)d] %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"stdout": {"class": "logging.StreamHandler", "formatter": "plain", "stream": "ext://sys.stdout"}},
+    "root": {"level": _settings.log_level.upper(), "handlers": ["stdout"]},
+    "loggers": {
+        "gunicorn.error": {"level": _settings.log_level.upper(), "handlers": ["stdout"], "propagate": False},
+        "gunicorn.access": {"level": "WARNING", "handlers": ["stdout"], "propagate": False},
+    },
+}
+
+
+def post_worker_init(worker):
+    """If the models fail to load, stop the worker with gunicorn's "app failed to load" status, which stops
+    the master too: a server that can never become ready should not keep running."""
+    service = worker.wsgi.extensions["specdec"]
+
+    def stop(message):
+        worker.log.error("stopping: the models could not be loaded (%s)", message)
+        os._exit(4)  # gunicorn.arbiter.Arbiter.APP_LOAD_ERROR
+
+    service.on_load_failure(stop)

@@ -1,0 +1,279 @@
+"""The benchmark behind `make bench`: generated tokens/s of every method on a committed prompt set.
+
+Methods: our target-only, draft-only, Google, DeepMind and adaptive-gamma speculative decoding, and Hugging
+Face `generate` target-only and assisted generation on the models exactly as `from_pretrained` loads them.
+Only generated tokens count, never prompt tokens. Results go to JSON, a Markdown table and a PNG plot, with
+the command, the machine and the date.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .adaptive import expected_speedup
+from .cpu_linear import pack_linears, unpack_linears
+from .engine import SpeculativeDecoder
+
+OUR_METHODS = ("target", "draft", "google", "deepmind", "adaptive")
+HF_METHODS = ("hf_target", "hf_assisted")
+MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
+         "sampling": dict(temperature=1.0, top_k=0, top_p=0.9)}
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
+
+
+def load_prompts(path, limit: int | None = None) -> list[dict]:
+    """The prompt set: one JSON object per line with `id`, `category`, `prompt` and `chat`."""
+    with open(path, encoding="utf-8") as f:
+        prompts = [json.loads(line) for line in f if line.strip()]
+    return prompts[:limit] if limit else prompts
+
+
+def encode(tokenizer, item: dict) -> list[int]:
+    if item.get("chat") and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
+                                            add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer(item["prompt"]).input_ids
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    import transformers
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def run_hf(method: str, draft, target, ids: list[int], max_new_tokens: int, mode: dict, seed: int) -> dict:
+    """One Hugging Face generate call; returns generated tokens and seconds."""
+    device = target.get_input_embeddings().weight.device
+    input_ids = torch.tensor([ids], device=device)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=mode["temperature"] > 0, repetition_penalty=1.0,
+                  pad_token_id=target.generation_config.pad_token_id or 0)
+    if kwargs["do_sample"]:
+        kwargs.update(temperature=mode["temperature"], top_k=mode["top_k"], top_p=mode["top_p"])
+    else:
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    if method == "hf_assisted":
+        kwargs["assistant_model"] = draft
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+    seconds = time.perf_counter() - start
+    return {"new_tokens": out.shape[1] - len(ids), "total_seconds": seconds}
+
+
+def run_ours(method: str, decoder: SpeculativeDecoder, ids: list[int], max_new_tokens: int, mode: dict, seed: int,
+             gamma: int) -> dict:
+    engine_method = "google" if method == "adaptive" else method
+    result = decoder.generate(ids, max_new_tokens=max_new_tokens, method=engine_method,
+                              gamma=None if method == "adaptive" else gamma, seed=seed, **mode)
+    return result.stats
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarise(runs: list[dict], gamma: int) -> dict:
+    """Per mode and method: median tokens/s, speedups, acceptance, tokens per target forward, c, bound."""
+    summary = {}
+    for mode in sorted({r["mode"] for r in runs}):
+        rows = {}
+        by_method = {}
+        for r in runs:
+            if r["mode"] == mode and r["sweep_gamma"] is None:
+                by_method.setdefault(r["method"], []).append(r)
+        seconds_per_token = {m: _median([r["total_seconds"] / r["new_tokens"] for r in rs if r["new_tokens"]])
+                             for m, rs in by_method.items()}
+        c = (seconds_per_token["draft"] / seconds_per_token["target"]
+             if seconds_per_token.get("draft") and seconds_per_token.get("target") else None)
+        for method, rs in by_method.items():
+            tps = _median([r["new_tokens"] / r["total_seconds"] for r in rs if r["total_seconds"] > 0])
+            row = {"runs": len(rs), "tokens_per_second": tps,
+                   "new_tokens": sum(r["new_tokens"] for r in rs)}
+            proposed = sum(r.get("proposed") or 0 for r in rs)
+            if proposed:
+                rounds = sum(r["rounds"] for r in rs)
+                row["acceptance_rate"] = sum(r["accepted"] for r in rs) / proposed
+                row["mean_gamma"] = proposed / rounds
+                row["tokens_per_target_forward"] = row["new_tokens"] / sum(r["target_forwards"] for r in rs)
+                if c is not None:
+                    alpha = min(row["acceptance_rate"], 0.999999)
+                    # the bound for the measured acceptance and c at the gamma actually used
+                    low, high = int(row["mean_gamma"]), int(row["mean_gamma"]) + 1
+                    frac = row["mean_gamma"] - low
+                    row["leviathan_bound"] = ((1 - frac) * expected_speedup(alpha, max(low, 1), c)
+                                              + frac * expected_speedup(alpha, high, c))
+            if "other_seconds" in rs[0]:
+                row["outside_forward_share"] = (sum(r["other_seconds"] for r in rs)
+                                                / sum(r["total_seconds"] for r in rs))
+            rows[method] = row
+        base, hf_assisted = rows.get("target", {}).get("tokens_per_second"), rows.get("hf_assisted", {})
+        for row in rows.values():
+            if base and row["tokens_per_second"]:
+                row["speedup_vs_target"] = row["tokens_per_second"] / base
+            if hf_assisted.get("tokens_per_second") and row["tokens_per_second"]:
+                row["speedup_vs_hf_assisted"] = row["tokens_per_second"] / hf_assisted["tokens_per_second"]
+            if row.get("leviathan_bound") and row.get("speedup_vs_target"):
+                row["efficiency"] = row["speedup_vs_target"] / row["leviathan_bound"]
+        sweep = {}
+        for r in runs:
+            if r["mode"] == mode and r["sweep_gamma"] is not None:
+                sweep.setdefault(r["sweep_gamma"], []).append(r["new_tokens"] / r["total_seconds"])
+        summary[mode] = {"cost_ratio_c": c, "gamma": gamma, "methods": rows,
+                         "gamma_sweep": {g: (_median(v) / base if base else None) for g, v in sorted(sweep.items())}}
+    return summary
+
+
+def markdown(report: dict) -> str:
+    def fmt(value, spec=".2f"):
+        return "-" if value is None else format(value, spec)
+
+    lines = [f"# specdec benchmark, {report['date']}", "",
+             f"Command: `{report['command']}`", "",
+             "Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items() if v is not None), "",
+             f"Models: draft `{report['draft']}`, target `{report['target']}`; {report['prompts']} prompts, "
+             f"max_new_tokens {report['max_new_tokens']}, repeats {report['repeats']}, gamma {report['gamma']}.", ""]
+    for mode, block in report["summary"].items():
+        lines += [f"## {mode} ({', '.join(f'{k}={v}' for k, v in MODES[mode].items())})", "",
+                  f"Measured cost ratio c (draft/target time per token): {fmt(block['cost_ratio_c'], '.3f')}", "",
+                  "| method | tokens/s | vs target | vs HF assisted | acceptance | tokens/target fwd | mean gamma "
+                  "| Leviathan bound | efficiency | outside forwards |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for method, row in block["methods"].items():
+            lines.append(
+                f"| {method} | {fmt(row['tokens_per_second'])} | {fmt(row.get('speedup_vs_target'))}x "
+                f"| {fmt(row.get('speedup_vs_hf_assisted'))}x | {fmt(row.get('acceptance_rate'))} "
+                f"| {fmt(row.get('tokens_per_target_forward'))} | {fmt(row.get('mean_gamma'))} "
+                f"| {fmt(row.get('leviathan_bound'))} | {fmt(row.get('efficiency'))} "
+                f"| {fmt(100 * row['outside_forward_share'] if 'outside_forward_share' in row else None, '.1f')}% |")
+        if block["gamma_sweep"]:
+            lines += ["", "Speedup of Google over our target-only by gamma (greedy sweep): "
+                      + ", ".join(f"gamma {g}: {fmt(s)}x" for g, s in block["gamma_sweep"].items())]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(report["summary"])
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(len(modes), 1)
+    methods = list(dict.fromkeys(m for mode in modes for m in report["summary"][mode]["methods"]))
+    for i, mode in enumerate(modes):
+        rows = report["summary"][mode]["methods"]
+        values = [rows.get(m, {}).get("tokens_per_second") or 0 for m in methods]
+        axes[0].bar([x + i * width for x in range(len(methods))], values, width, label=mode)
+    axes[0].set_xticks([x + width * (len(modes) - 1) / 2 for x in range(len(methods))], methods, rotation=30)
+    axes[0].set_ylabel("generated tokens/s (median)")
+    axes[0].set_title("Throughput per method")
+    axes[0].legend()
+    for mode in modes:
+        sweep = report["summary"][mode]["gamma_sweep"]
+        if sweep:
+            axes[1].plot(list(map(int, sweep)), [v or 0 for v in sweep.values()], marker="o", label=mode)
+    axes[1].axhline(1.0, color="grey", linestyle="--", linewidth=1)
+    axes[1].set_xlabel("gamma")
+    axes[1].set_ylabel("speedup over our target-only")
+    axes[1].set_title("Google speculative decoding vs gamma")
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m specdec.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", default=None, help="draft model (default: the default pair)")
+    parser.add_argument("--target", default=None, help="target model (default: the default pair)")
+    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--modes", default="greedy,sampling")
+    parser.add_argument("--methods", default=",".join(OUR_METHODS + HF_METHODS))
+    parser.add_argument("--sweep-gammas", default="1,2,3,4,5,6", help="gammas for the greedy sweep ('' for none)")
+    parser.add_argument("--sweep-prompts", type=int, default=4, help="prompts used by the gamma sweep")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench/results")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from .loading import load_pair
+
+    methods = [m for m in args.methods.split(",") if m]
+    modes = [m for m in args.modes.split(",") if m]
+    sweep_gammas = [int(g) for g in args.sweep_gammas.split(",") if g]
+    prompts = load_prompts(args.prompts, args.limit)
+    draft, target, tokenizer = load_pair(args.draft, args.target, device=args.device, dtype=args.dtype,
+                                         cpu_kernels=False)
+    encoded = [encode(tokenizer, item) for item in prompts]
+    plan = [(mode, method, i, rep, None) for mode in modes for method in methods if method in HF_METHODS
+            for i in range(len(prompts)) for rep in range(args.repeats)]
+    plan += [(mode, method, i, rep, None) for mode in modes for method in methods if method in OUR_METHODS
+             for i in range(len(prompts)) for rep in range(args.repeats)]
+    plan += [("greedy", "google", i, 0, g) for g in sweep_gammas for i in range(min(args.sweep_prompts, len(prompts)))
+             if "greedy" in modes]
+
+    runs, packed = [], False
+    for mode, method, i, rep, sweep_gamma in tqdm(plan, desc="bench", unit="run", file=sys.stderr):
+        seed = args.seed + 1000 * rep + i
+        if method in HF_METHODS:
+            stats = run_hf(method, draft, target, encoded[i], args.max_new_tokens, MODES[mode], seed)
+        else:
+            if not packed:  # HF baselines ran on stock weights; ours use the load_pair default (packed on CPU)
+                pack_linears(target)
+                pack_linears(draft)
+                decoder = SpeculativeDecoder(draft, target, tokenizer)
+                packed = True
+            stats = run_ours(method, decoder, encoded[i], args.max_new_tokens, MODES[mode], seed,
+                             sweep_gamma or args.gamma)
+        runs.append({"mode": mode, "method": method, "prompt": prompts[i]["id"], "repeat": rep,
+                     "sweep_gamma": sweep_gamma, **{k: v for k, v in stats.items() if k != "method"}})
+    if packed:
+        unpack_linears(target)
+        unpack_linears(draft)
+
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python -m specdec.bench"] + (argv if argv is not None else sys.argv[1:])),
+              "machine": machine_info(), "draft": args.draft or "default", "target": args.target or "default",
+              "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+              "gamma": args.gamma, "summary": summarise(runs, args.gamma), "runs": runs}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out / "results.md").write_text(markdown(report), encoding="utf-8")
+    plot(report, out / "results.png")
+    print(markdown(report))
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'results.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""Cheap multi-token verification on CPU: linear layers on weights packed once into oneDNN's blocked layout.
+
+On our CPUs `torch.nn.functional.linear` over 2-16 rows costs 2-3x one row, because its GEMM path repacks the
+whole weight on every call; verifying gamma draft tokens in one target forward then saves nothing. A weight
+packed once at load time (`mkldnn._reorder_linear_weight`, what inductor does for dynamic batch sizes) makes
+a few rows cost about what one row does. Float32 on CPU only: CUDA and half-precision models are untouched.
+"""
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+PACK_BATCH_HINT = 5  # typical verification width: gamma + 1
+
+
+def packing_supported() -> bool:
+    """Whether this torch build has the oneDNN ops we rely on."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedLinear(nn.Module):
+    """A drop-in nn.Linear replacement holding its weight only in oneDNN's packed layout."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().contiguous()
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT),
+                             persistent=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed_weight, self.bias, "none", [], "")
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def to_linear(self) -> nn.Linear:
+        """The equivalent stock nn.Linear (weights unpacked)."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        with torch.no_grad():
+            linear.weight.copy_(self.packed_weight.to_dense())
+            if self.bias is not None:
+                linear.bias.copy_(self.bias)
+        return linear.eval()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
+
+
+def _linears(model: nn.Module, kind):
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) is kind:
+                yield parent, name, child
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every float32 CPU nn.Linear of `model` by a PackedLinear, in place. Returns how many were packed.
+
+    Models on CUDA, in half precision, or on a torch without oneDNN are returned unchanged (0).
+    """
+    if not packing_supported():
+        return 0
+    count = 0
+    for parent, name, linear in list(_linears(model, nn.Linear)):
+        if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
+            continue
+        setattr(parent, name, PackedLinear(linear))
+        count += 1
+    if count:
+        logger.info("packed %d linear layers of %s for multi-token CPU forwards", count, type(model).__name__)
+    return count
+
+
+def unpack_linears(model: nn.Module) -> int:
+    """Undo `pack_linears`: stock nn.Linear layers again (what `from_pretrained` gives). Returns how many."""
+    count = 0
+    for parent, name, packed in list(_linears(model, PackedLinear)):
+        setattr(parent, name, packed.to_linear())
+        count += 1
+    return count

@@ -1,0 +1,33 @@
+"""adaptive.py: the Leviathan expected-speedup model and the per-request gamma choice."""
+
+import pytest
+
+from specdec.adaptive import AdaptiveGamma, best_gamma, expected_speedup, expected_tokens
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_expected_speedup_matches_paper_example():
+    # Leviathan et al.: alpha 0.8, c 0.05, gamma 5 gives ~3.4x (their Figure 3 region)
+    assert expected_speedup(0.8, 5, 0.05) == pytest.approx((1 - 0.8 ** 6) / (0.2 * 1.25))
+
+
+def test_best_gamma_grows_with_acceptance_and_shrinks_with_cost():
+    assert best_gamma(0.9, 0.05, 16) > best_gamma(0.5, 0.05, 16)
+    assert best_gamma(0.8, 0.5, 16) < best_gamma(0.8, 0.05, 16)
+    assert 1 <= best_gamma(0.0, 1.0, 8) <= 8
+
+
+def test_adaptive_stays_in_bounds():
+    policy = AdaptiveGamma(initial=4, max_gamma=6)
+    assert policy.choose() == 4  # no cost measured yet
+    policy.update(proposed=40, accepted=39, draft_seconds=0.1, draft_forwards=40, target_seconds=10.0,
+                  target_forwards=10)
+    assert policy.choose() == 6
+    policy.update(proposed=400, accepted=10, draft_seconds=50.0, draft_forwards=400, target_seconds=10.0,
+                  target_forwards=100)
+    assert policy.choose() == 1

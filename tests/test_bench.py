@@ -1,0 +1,63 @@
+"""bench.py and bench/gpu.py run end to end on tiny models and write their JSON, table and plot."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from specdec import bench
+from specdec.adaptive import expected_speedup
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_prompt_set_is_committed_and_varied():
+    prompts = bench.load_prompts(bench.DEFAULT_PROMPTS)
+    assert len(prompts) >= 20
+    assert {p["category"] for p in prompts} == {"code_completion", "code_instruction", "chat", "summarize"}
+
+
+def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
+    draft, target = tiny_pair_dirs
+    out = tmp_path / "results"
+    assert bench.main(["--draft", draft, "--target", target, "--limit", "3", "--max-new-tokens", "6",
+                       "--sweep-gammas", "1,3", "--sweep-prompts", "2", "--out", str(out)]) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
+    table = (out / "results.md").read_text()
+    assert "| google |" in table and "| hf_assisted |" in table and report["machine"]["torch"]
+    for mode in ("greedy", "sampling"):
+        block = report["summary"][mode]
+        assert set(block["methods"]) == set(bench.OUR_METHODS + bench.HF_METHODS)
+        assert block["methods"]["target"]["speedup_vs_target"] == 1.0
+        google = block["methods"]["google"]
+        assert 0 <= google["acceptance_rate"] <= 1
+        assert google["leviathan_bound"] > 0 and google["efficiency"] > 0
+        assert block["cost_ratio_c"] > 0
+    assert set(report["summary"]["greedy"]["gamma_sweep"]) == {"1", "3"}  # JSON object keys
+    # generated tokens only: never more than max_new_tokens per run
+    assert all(0 < run["new_tokens"] <= 6 for run in report["runs"])
+
+
+def test_summary_bound_uses_measured_acceptance_and_cost():
+    runs = [{"mode": "greedy", "method": "target", "sweep_gamma": None, "new_tokens": 10, "total_seconds": 1.0},
+            {"mode": "greedy", "method": "draft", "sweep_gamma": None, "new_tokens": 10, "total_seconds": 0.25},
+            {"mode": "greedy", "method": "google", "sweep_gamma": None, "new_tokens": 10, "total_seconds": 0.5,
+             "proposed": 8, "accepted": 6, "rounds": 2, "target_forwards": 2, "other_seconds": 0.01}]
+    row = bench.summarise(runs, gamma=4)["greedy"]
+    assert row["cost_ratio_c"] == 0.25
+    google = row["methods"]["google"]
+    assert google["speedup_vs_target"] == 2.0
+    assert google["leviathan_bound"] == expected_speedup(0.75, 4, 0.25)
+    assert google["efficiency"] == 2.0 / expected_speedup(0.75, 4, 0.25)
+
+
+def test_gpu_script_smoke_on_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--tiny", "--device", "cpu",
+                           "--context", "16", "--repeats", "1", "--tokens", "4", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert [row["gamma"] for row in report["by_gamma"]] == list(range(1, 9))
+    assert report["cost_ratio_c"] > 0

@@ -1,0 +1,152 @@
+"""The command line on a tiny saved pair: every method, source marks, greedy equivalence, clean errors."""
+
+import io
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import make_tokenizer
+
+from specdec.cli import main, render_sources, token_pieces, use_color
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STATS = re.compile(r"^\d+ tokens \| [\d.]+ tokens/s \| acceptance (-|[\d.]+) \| (-|[\d.]+) tokens per target forward$",
+                   re.M)
+SECTION = re.compile(r"^== (\w+): [^\n]* ==\n(.*?)\n(?=\d+ tokens \|)", re.M | re.S)
+
+
+@pytest.fixture(scope="module")
+def pair_args(tiny_pair_dirs):
+    draft_dir, target_dir = tiny_pair_dirs
+    return ["--target_model_name", target_dir, "--approx_model_name", draft_dir, "--input", "def add(a, b):",
+            "-M", "12", "-s", "7"]
+
+
+def completions(out: str) -> dict:
+    """method -> printed completion."""
+    return {method: text for method, text in SECTION.findall(out)}
+
+
+@pytest.mark.parametrize("method", ["google", "deepmind", "target", "draft"])
+def test_each_method_prints_its_completion_and_stats(pair_args, capsys, method):
+    assert main(pair_args + ["--method", method]) == 0
+    out = capsys.readouterr().out
+    assert list(completions(out)) == [method]
+    assert len(STATS.findall(out)) == 1
+    assert "def add(a, b):" not in out  # the completion only, not the prompt
+
+
+def test_all_runs_the_earlier_tools_order(pair_args, capsys):
+    assert main(pair_args) == 0
+    out = capsys.readouterr().out
+    assert list(completions(out)) == ["target", "draft", "deepmind", "google"]
+    assert len(STATS.findall(out)) == 4
+
+
+def test_greedy_speculative_output_is_the_targets_greedy_text(pair_args, capsys):
+    assert main(pair_args + ["--temperature", "0", "-M", "24"]) == 0
+    texts = completions(capsys.readouterr().out)
+    assert texts["google"] == texts["target"] and texts["deepmind"] == texts["target"]
+    assert texts["target"]
+
+
+def test_verbose_marks_each_token_by_source(pair_args, capsys):
+    assert main(pair_args + ["-v", "--method", "google", "-M", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "legend:" in out and "\x1b[" not in out  # captured output is not a terminal: marks, not colours
+    marked = out.split(" ==\n", 1)[1].splitlines()[0]
+    marks = re.findall(r"\[([drbt]):", marked)
+    assert marks and set(marks) <= {"d", "r", "b"}
+    assert "seed 7" in out
+
+
+def test_verbose_baseline_tokens_are_marked_as_single_model(pair_args, capsys):
+    assert main(pair_args + ["-v", "--method", "target", "-M", "4"]) == 0
+    marked = capsys.readouterr().out.split(" ==\n", 1)[1].splitlines()[0]
+    assert set(re.findall(r"\[([drbt]):", marked)) == {"t"}
+
+
+def test_chat_template_and_adaptive_gamma(pair_args, capsys):
+    assert main(pair_args + ["--chat", "--gamma", "auto", "--method", "deepmind", "-v"]) == 0
+    out = capsys.readouterr().out
+    assert "gamma auto" in out and len(STATS.findall(out)) == 1
+    # the template wraps the 14-character input in "<bos>user: ...\n<bos>assistant: "
+    assert re.search(r"prompt: (\d+) tokens", out).group(1) == str(len("<bos>user: def add(a, b):\n<bos>assistant: ")
+                                                                   - 2 * len("<bos>") + 2)
+
+
+def test_benchmark_prints_speedup_over_target(pair_args, capsys):
+    assert main(pair_args + ["-b", "--repeats", "2", "--method", "google", "-M", "6"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("== benchmark", 1)[1].splitlines()
+    assert "speedup" in table[1]
+    assert [row.split()[0] for row in table[2:]] == ["target", "google"]
+    assert table[2].split()[4] == "1.00x"
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["-g", "0"], "gamma"),
+    (["--gamma", "many"], "gamma"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top_p", "0"], "top_p"),
+    (["--top_p", "1.5"], "top_p"),
+    (["-M", "0"], "max_tokens"),
+    (["--method", "beam"], "method"),
+    (["--dtype", "int4"], "dtype"),
+    (["--device", "tpu9"], "device"),
+])
+def test_bad_flags_exit_non_zero_with_one_message(pair_args, capsys, flags, fragment):
+    assert main(pair_args + flags) == 2
+    captured = capsys.readouterr()
+    assert fragment in captured.err and "error:" in captured.err
+    assert "Traceback" not in captured.err and len(captured.err.strip().splitlines()) == 1
+    assert captured.out == ""
+
+
+def test_unknown_model_path(pair_args, capsys, tmp_path):
+    assert main(pair_args + ["--target_model_name", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert "nowhere" in err and "Traceback" not in err
+
+
+def test_mismatched_vocabularies(pair_args, capsys, tmp_path):
+    from conftest import make_model
+
+    small = str(tmp_path / "small")
+    make_model(vocab_size=80).save_pretrained(small)
+    assert main(pair_args + ["--draft_model_name", small]) == 2
+    err = capsys.readouterr().err
+    assert "vocabularies differ" in err and "Traceback" not in err
+
+
+def test_colour_only_on_a_terminal_without_no_color():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    assert use_color(Terminal(), {}) is True
+    assert use_color(Terminal(), {"NO_COLOR": "1"}) is False
+    assert use_color(io.StringIO(), {}) is False
+    coloured = render_sources(["a", "b", "c"], ["draft", "resampled", "bonus"], color=True)
+    assert coloured == "\x1b[32ma\x1b[0m\x1b[34mb\x1b[0m\x1b[35mc\x1b[0m"
+    assert render_sources(["a", "b"], ["target", "draft"], color=False) == "[t:a][d:b]"
+
+
+def test_token_pieces_add_up_to_the_text():
+    tokenizer = make_tokenizer()
+    ids = tokenizer("x = 1\nprint(x)")["input_ids"]
+    assert "".join(token_pieces(tokenizer, ids)) == tokenizer.decode(ids)
+
+
+def test_main_py_and_module_run_without_traceback(pair_args):
+    env = dict(os.environ, NO_COLOR="1")
+    ok = subprocess.run([sys.executable, "main.py", *pair_args, "--method", "google", "-M", "4"], cwd=ROOT,
+                        capture_output=True, text=True, env=env, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert list(completions(ok.stdout)) == ["google"]
+    bad = subprocess.run([sys.executable, "-m", "specdec", *pair_args, "--top_p", "2"], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "python -m specdec: error: argument --top_p: must be in (0, 1], got 2 (see --help)"

@@ -1,0 +1,47 @@
+"""cpu_linear.py: packed linears reproduce the stock forward and keep greedy outputs unchanged."""
+
+import copy
+
+import pytest
+import torch
+
+from conftest import ARCHITECTURES, make_model, perturbed_copy
+from specdec import SpeculativeDecoder
+from specdec.cpu_linear import PackedLinear, pack_linears, packing_supported, unpack_linears
+
+pytestmark = pytest.mark.skipif(not packing_supported(), reason="this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_packed_forward_matches_stock(arch):
+    stock = make_model(arch, seed=0, hidden=64, initializer_range=0.1)
+    packed = copy.deepcopy(stock)
+    assert pack_linears(packed) > 0
+    assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    ids = torch.randint(0, 64, (1, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for rows in (1, 2, 5, 17):
+            torch.testing.assert_close(packed(input_ids=ids[:, :rows]).logits, stock(input_ids=ids[:, :rows]).logits,
+                                       atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_unchanged_and_reversible():
+    stock = make_model("qwen2", seed=0, hidden=64, initializer_range=0.1)
+    draft = perturbed_copy(stock, noise=0.3)
+    reference = SpeculativeDecoder(draft, stock).generate([1, 2, 3], max_new_tokens=30, method="target",
+                                                          temperature=0).token_ids
+    packed = copy.deepcopy(stock)
+    pack_linears(packed)
+    for method in ("google", "deepmind", "target"):
+        assert SpeculativeDecoder(draft, packed).generate([1, 2, 3], max_new_tokens=30, method=method,
+                                                          temperature=0).token_ids == reference
+    assert unpack_linears(packed) > 0
+    assert not any(isinstance(m, PackedLinear) for m in packed.modules())
+    ids = torch.tensor([[4, 5, 6]])
+    with torch.no_grad():
+        torch.testing.assert_close(packed(input_ids=ids).logits, stock(input_ids=ids).logits)
+
+
+def test_half_precision_is_left_alone():
+    model = make_model("llama").to(torch.bfloat16)
+    assert pack_linears(model) == 0

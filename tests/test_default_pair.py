@@ -1,0 +1,81 @@
+"""The real default pair (Qwen2.5-Coder-Instruct 0.5B draft, 1.5B target) from the converted cache.
+
+Needs `make models` (which `make test` runs first). Greedy speculative decoding must reproduce the target's greedy
+tokens exactly, on a code prompt and on a chat prompt through the target's chat template.
+"""
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from specdec import SpeculativeDecoder, load_pair
+from specdec.default_pair import DRAFT, MARKER, TARGET, default_pair_paths, is_ready
+
+pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("real_models")]
+
+logger = logging.getLogger(__name__)
+NEW_TOKENS = 32
+PROMPTS = {
+    "code": ("def is_prime(n: int) -> bool:\n", False),
+    "chat": ("Write a Python function that reverses the words of a sentence.", True),
+}
+
+
+@pytest.fixture(scope="module")
+def real_pair():
+    """(draft_dir, target_dir, decoder, tokenizer), loaded once for the module."""
+    draft_dir, target_dir = default_pair_paths(prepare=True)  # converts only if `make models` has not
+    started = time.perf_counter()
+    draft, target, tokenizer = load_pair()
+    logger.info("default pair loaded from the cache in %.1f s", time.perf_counter() - started)
+    yield draft_dir, target_dir, SpeculativeDecoder(draft, target, tokenizer), tokenizer
+
+
+def test_loads_from_the_converted_cache(real_pair):
+    draft_dir, target_dir, decoder, _ = real_pair
+    assert is_ready(Path(draft_dir), DRAFT) and is_ready(Path(target_dir), TARGET)
+    assert (Path(target_dir) / MARKER).is_file() and not list(Path(target_dir).glob("*.gguf"))
+    assert Path(decoder.target_model.name_or_path) == Path(target_dir)
+    assert Path(decoder.draft_model.name_or_path) == Path(draft_dir)
+    assert decoder.target_model.config.num_hidden_layers == 28 and decoder.draft_model.config.num_hidden_layers == 24
+    assert decoder.vocab_size == 151_936
+
+
+def test_vocabularies_identical(real_pair):
+    from transformers import AutoTokenizer
+
+    draft_dir, _, _, tokenizer = real_pair
+    draft_tokenizer = AutoTokenizer.from_pretrained(draft_dir, local_files_only=True)
+    assert draft_tokenizer.get_vocab() == tokenizer.get_vocab()
+    assert draft_tokenizer.all_special_tokens == tokenizer.all_special_tokens
+    text = "def f(x):\n    return {'a': x ** 2}  # 平方\n"
+    assert draft_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
+
+
+def encode(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("kind", sorted(PROMPTS))
+def test_greedy_speculative_equals_target_greedy(real_pair, kind):
+    _, _, decoder, tokenizer = real_pair
+    text, chat = PROMPTS[kind]
+    prompt = encode(tokenizer, text, chat)
+    target = decoder.generate(prompt, max_new_tokens=NEW_TOKENS, method="target", temperature=0)
+    assert target.finish_reason == "stop" or len(target.token_ids) == NEW_TOKENS
+    for method in ("google", "deepmind"):
+        result = decoder.generate(prompt, max_new_tokens=NEW_TOKENS, method=method, gamma=4, temperature=0)
+        assert result.token_ids == target.token_ids, (
+            f"{method} greedy diverged from target greedy on the {kind} prompt:\n"
+            f"{tokenizer.decode(result.token_ids)!r}\nvs\n{tokenizer.decode(target.token_ids)!r}")
+        assert result.stats["acceptance_rate"] > 0.3  # a working draft, not just correct resampling
+        logger.info("%s %s: %s", kind, method, {k: result.stats[k] for k in (
+            "acceptance_rate", "tokens_per_target_forward", "tokens_per_second")})
+    logger.info("%s target: %.2f tokens/s, %r", kind, target.stats["tokens_per_second"],
+                tokenizer.decode(target.token_ids))

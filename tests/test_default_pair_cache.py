@@ -1,0 +1,126 @@
+"""The default pair's cache without the real models: joining parts, the size and sha256 checks, atomic conversion."""
+
+import hashlib
+import json
+import sys
+
+import pytest
+
+from specdec import SpecDecError
+from specdec import default_pair
+from specdec.default_pair import GGUFSource, MARKER, is_ready, join_parts, prepare_model
+
+
+@pytest.fixture
+def fake_parts(tmp_path, monkeypatch):
+    """Three importable part packages (`fakepart1..3`) holding bytes, like the PyPI ones, and their source."""
+    chunks = [b"GGUF" + bytes(range(256)) * 3, b"second part" * 50, b"end"]
+    packages = tmp_path / "site"
+    for i, chunk in enumerate(chunks, start=1):
+        package = packages / f"fakepart{i}"
+        (package / "data").mkdir(parents=True)
+        (package / "data" / f"part{i:02d}.bin").write_bytes(chunk)
+        (package / "__init__.py").write_text(
+            "import os\n\ndef get_part_path():\n"
+            f"    return os.path.join(os.path.dirname(os.path.abspath(__file__)), 'data', 'part{i:02d}.bin')\n")
+    monkeypatch.syspath_prepend(str(packages))
+    for i in range(1, 4):
+        sys.modules.pop(f"fakepart{i}", None)
+    joined = b"".join(chunks)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    return GGUFSource("fake-model", "draft", "fakepart", 3, "fake.gguf", len(joined),
+                      hashlib.sha256(joined).hexdigest()), joined
+
+
+def test_join_parts_in_order_and_verify(fake_parts, tmp_path):
+    source, joined = fake_parts
+    join_parts(source, tmp_path / "out.gguf")
+    assert (tmp_path / "out.gguf").read_bytes() == joined
+
+
+def test_wrong_sha256_is_refused(fake_parts, tmp_path):
+    source, _ = fake_parts
+    tampered = GGUFSource(**{**source.__dict__, "sha256": "0" * 64})
+    with pytest.raises(SpecDecError, match="refusing fake.gguf: its sha256 is"):
+        join_parts(tampered, tmp_path / "out.gguf")
+
+
+def test_wrong_size_is_refused_before_joining(fake_parts, tmp_path):
+    source, _ = fake_parts
+    with pytest.raises(SpecDecError, match="not the pinned ones"):
+        join_parts(GGUFSource(**{**source.__dict__, "size": source.size + 1}), tmp_path / "out.gguf")
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_missing_part_package_says_how_to_install(fake_parts, tmp_path):
+    source, _ = fake_parts
+    with pytest.raises(SpecDecError, match="fakepart4 is not installed: run `make models`"):
+        join_parts(GGUFSource(**{**source.__dict__, "parts": 4}), tmp_path / "out.gguf")
+
+
+def test_conversion_is_atomic_and_marked_last(fake_parts, monkeypatch, tmp_path):
+    source, joined = fake_parts
+    destination = default_pair.model_dir(source)
+
+    def crash(gguf_path, folder, tokenizer_dir=None):
+        (folder / "config.json").write_text("{}")
+        raise KeyboardInterrupt  # killed half-way
+
+    monkeypatch.setattr(default_pair, "convert", crash)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_model(source)
+    assert not destination.exists()
+    assert [p.name for p in destination.parent.iterdir()] == [f".{source.name}.lock"]
+
+    seen = {}
+
+    def fake_convert(gguf_path, folder, tokenizer_dir=None):
+        seen["gguf"] = gguf_path.read_bytes()
+        (folder / "config.json").write_text("{}")
+
+    monkeypatch.setattr(default_pair, "convert", fake_convert)
+    assert prepare_model(source) == destination
+    assert seen["gguf"] == joined
+    assert is_ready(destination, source)
+    assert json.loads((destination / MARKER).read_text())["sha256"] == source.sha256
+    assert sorted(p.name for p in destination.iterdir()) == ["config.json", MARKER]  # no GGUF copy kept
+
+    seen.clear()
+    assert prepare_model(source) == destination and not seen  # a finished cache is not converted again
+
+
+def test_a_folder_without_marker_is_never_trusted(fake_parts, monkeypatch):
+    source, _ = fake_parts
+    destination = default_pair.model_dir(source)
+    destination.mkdir(parents=True)
+    (destination / "model.safetensors").write_bytes(b"half written")
+    stale = destination.parent / f".{source.name}.tmp-abc"
+    stale.mkdir()
+    assert not is_ready(destination, source)
+    (destination / MARKER).write_text(json.dumps({"format": default_pair.FORMAT_VERSION, "sha256": "0" * 64}))
+    assert not is_ready(destination, source)  # a marker for another file
+
+    monkeypatch.setattr(default_pair, "convert", lambda gguf, folder, tokenizer_dir=None: None)
+    prepare_model(source)
+    assert is_ready(destination, source)
+    assert not (destination / "model.safetensors").exists() and not stale.exists()
+
+
+def test_default_pair_paths_without_preparing(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    with pytest.raises(SpecDecError, match="not prepared.*make models"):
+        default_pair.default_pair_paths(prepare=False)
+
+
+def test_cache_location(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    assert default_pair.model_dir(default_pair.TARGET) == tmp_path / "qwen2.5-coder-1.5b-instruct"
+    monkeypatch.delenv("SPECDEC_CACHE")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert default_pair.cache_root() == tmp_path / ".cache" / "specdec"
+
+
+def test_pinned_sources_match_models_md():
+    assert (default_pair.DRAFT.size, default_pair.DRAFT.sha256[:12]) == (491_400_064, "1d9614638d18")
+    assert (default_pair.TARGET.size, default_pair.TARGET.sha256[:12]) == (1_117_320_768, "cc324af070c2")
+    assert default_pair.DRAFT.tokenizer_from is default_pair.TARGET

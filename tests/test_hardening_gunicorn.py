@@ -1,0 +1,54 @@
+"""Hardening under a real gunicorn on 127.0.0.1 (the helpers of specdec/stress.py, with smaller sizes than
+`make stress`): the bad-request corpus over a socket, 16 concurrent clients, faults (disconnect, exception,
+out of memory, an error after a stream started) and a short soak (no descriptor or thread growth)."""
+
+import pytest
+import requests
+from bad_requests import CORPUS, GOOD, check_error
+
+from specdec import stress
+
+pytestmark = pytest.mark.xdist_group("hardening-gunicorn")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_pair_dirs):
+    server = stress.start_server(tmp_path_factory.mktemp("hardening"), tiny_pair_dirs, "server", delay=0.002,
+                                 queue_size=4, queue_timeout=30, retry_after=1)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def good_answer(server):
+    return server.post(GOOD).json()["text"]
+
+
+@pytest.mark.parametrize("bad", CORPUS, ids=lambda bad: bad.name)
+def test_bad_request_over_a_socket(server, good_answer, bad):
+    headers = {"Content-Type": bad.content_type} if bad.content_type else {}
+    response = requests.request(bad.method, server.url + bad.path, data=bad.body, headers=headers, timeout=60)
+    check_error(response.status_code, response.headers["Content-Type"], response.text, bad)
+    assert server.post(GOOD).json()["text"] == good_answer
+
+
+def test_sixteen_concurrent_clients(server):
+    load = stress.run_load(server, clients=16, seconds=4, max_new_tokens=16)
+    assert load["other_status"] == 0 and load["connection_errors"] == 0, load["samples"]
+    assert load["mixed_up"] == 0, load["samples"]
+    assert load["ok_200"] > 0 and load["busy_503"] > 0 and load["busy_503_without_retry_after"] == 0, load
+
+
+@pytest.mark.parametrize("fault", ["disconnect", "exception", "out_of_memory", "exception_in_stream"])
+def test_fault(server, fault):
+    result = {"disconnect": stress.fault_disconnect, "exception": stress.fault_exception,
+              "out_of_memory": lambda s: stress.fault_exception(s, stress.OOM_MARKER, "fault-oom"),
+              "exception_in_stream": stress.fault_exception_in_stream}[fault](server)
+    assert result["ok"], (result, server.log()[-3000:])
+
+
+def test_short_soak_leaks_no_descriptors_or_threads(server):
+    soak = stress.run_soak(server, requests_total=150, warmup=50, every=50)
+    assert soak["unexpected"] == 0, soak["samples"]
+    assert soak["fds_end"] <= soak["fds_warm"] and soak["threads_end"] <= soak["threads_warm"], soak
+    assert soak["rss_growth_pct"] < 10, soak["series"]  # `make stress` holds 1,000 requests to < 5 %

@@ -1,0 +1,444 @@
+"""service.py through Flask's test client: every route, every error class, details, stop strings, streaming,
+seeds, greedy equality with target-only decoding, queueing, logging and metrics. Tiny models, no network."""
+
+import copy
+import io
+import json
+import logging
+import threading
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from specdec import SpecDecError
+from specdec.config import Settings
+from specdec.service import create_app
+
+PROMPT = "Who is the president of the USA"
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """Settings come from config/default.toml and the test only, never from the caller's SPECDEC_* variables."""
+    for name in list(Settings.model_fields) + ["config"]:
+        monkeypatch.delenv(f"SPECDEC_{name.upper()}", raising=False)
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_pair_dirs):
+    draft_dir, target_dir = tiny_pair_dirs
+    return (AutoModelForCausalLM.from_pretrained(draft_dir), AutoModelForCausalLM.from_pretrained(target_dir),
+            AutoTokenizer.from_pretrained(target_dir))
+
+
+def make_app(pair, **overrides):
+    app = create_app({"loader": lambda settings: pair, **overrides})
+    assert app.extensions["specdec"].wait_until_loaded(30)
+    return app
+
+
+@pytest.fixture(scope="module")
+def app(pair):
+    return make_app(pair)
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()
+
+
+@pytest.fixture
+def service(app):
+    return app.extensions["specdec"]
+
+
+def predict(client, headers=None, buffered=False, **body):
+    return client.post("/predict", json={"prompt": PROMPT, **body}, headers=headers, buffered=buffered)
+
+
+def sse_events(response) -> list[dict]:
+    text = response.get_data(as_text=True)
+    assert text.endswith("\n\n")
+    events = []
+    for block in text.strip("\n").split("\n\n"):
+        assert block.startswith("data: ") and "\n" not in block
+        events.append(json.loads(block.removeprefix("data: ")))
+    return events
+
+
+def assert_error(response, status, type_, field=None):
+    assert response.status_code == status, response.get_data(as_text=True)
+    assert response.mimetype == "application/json"
+    error = response.get_json()["error"]
+    assert set(error) == {"type", "message", "field"}
+    assert error["type"] == type_ and error["field"] == field and error["message"]
+    return error
+
+
+# --- routes ----------------------------------------------------------------------------------------------------
+
+def test_healthz(client):
+    response = client.get("/healthz")
+    assert response.status_code == 200 and response.get_json() == {"status": "ok"}
+
+
+def test_readyz_names_models_and_device(client, tiny_pair_dirs):
+    body = client.get("/readyz").get_json()
+    assert body["status"] == "ready"
+    assert body["models"] == {"draft": "draft", "target": "target"}  # local folders by name: no server paths
+    assert body["device"] == "cpu" and body["dtype"] == "float32" and body["context_length"] == 256
+
+
+def test_readyz_is_503_until_loaded(pair):
+    release = threading.Event()
+
+    def slow_loader(settings):
+        release.wait(10)
+        return pair
+
+    app = create_app({"loader": slow_loader})
+    client = app.test_client()
+    assert client.get("/healthz").status_code == 200
+    response = client.get("/readyz")
+    assert_error(response, 503, "not_ready")
+    assert response.headers["Retry-After"] == "5"
+    assert_error(predict(client), 503, "not_ready")
+    release.set()
+    assert app.extensions["specdec"].wait_until_loaded(30)
+    assert client.get("/readyz").status_code == 200
+    assert predict(client, max_new_tokens=3).status_code == 200
+
+
+def test_load_failure_is_reported_and_stops_a_worker(pair):
+    def broken_loader(settings):
+        raise SpecDecError("the target model folder /nowhere has no config.json", field="target_model")
+
+    app = create_app({"loader": broken_loader})
+    service = app.extensions["specdec"]
+    assert service.wait_until_loaded(30)
+    error = assert_error(app.test_client().get("/readyz"), 503, "not_ready")
+    assert "model loading failed" in error["message"] and "/nowhere" not in error["message"]  # the log says why
+    stopped = []
+    service.on_load_failure(stopped.append)  # what gunicorn's post_worker_init registers
+    assert stopped == ["the target model folder /nowhere has no config.json"]
+
+
+def test_predict_returns_completion_usage_and_stats(client):
+    response = predict(client, max_new_tokens=20, seed=1)
+    assert response.status_code == 200
+    body = response.get_json()
+    assert set(body) == {"text", "finish_reason", "usage", "stats"}
+    assert isinstance(body["text"], str) and body["finish_reason"] in ("length", "stop")
+    assert body["usage"]["prompt_tokens"] == len(PROMPT)  # the character tokenizer adds no specials
+    assert 1 <= body["usage"]["completion_tokens"] <= 20
+    assert body["usage"]["total_tokens"] == len(PROMPT) + body["usage"]["completion_tokens"]
+    stats = body["stats"]
+    for key in ("acceptance_rate", "accepted", "proposed", "tokens_per_target_forward", "total_seconds",
+                "tokens_per_second", "draft_seconds", "target_seconds", "queue_seconds"):
+        assert key in stats
+    assert stats["method"] == "google" and stats["gamma"] == 4 and stats["seed"] == 1
+    assert 0 <= stats["accepted"] <= stats["proposed"]
+    assert response.headers["X-Request-ID"]
+
+
+def test_request_id_is_echoed(client):
+    response = client.get("/healthz", headers={"X-Request-ID": "abc-123"})
+    assert response.headers["X-Request-ID"] == "abc-123"
+
+
+def test_metrics_counters_move(client):
+    def sample(name, labels=""):
+        for line in client.get("/metrics").get_data(as_text=True).splitlines():
+            if line.startswith(name + labels + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.mimetype == "text/plain"
+    before = {name: sample(name) for name in ("specdec_generated_tokens_total", "specdec_draft_tokens_proposed_total",
+                                              "specdec_draft_tokens_accepted_total")}
+    requests_before = sample("specdec_requests_total", '{endpoint="/predict",status="200"}')
+    stats = predict(client, max_new_tokens=12, method="google", gamma=3).get_json()["stats"]
+    assert sample("specdec_requests_total", '{endpoint="/predict",status="200"}') == requests_before + 1
+    assert sample("specdec_generated_tokens_total") == before["specdec_generated_tokens_total"] + stats["new_tokens"]
+    assert sample("specdec_draft_tokens_proposed_total") == (before["specdec_draft_tokens_proposed_total"]
+                                                             + stats["proposed"])
+    assert sample("specdec_draft_tokens_accepted_total") == (before["specdec_draft_tokens_accepted_total"]
+                                                             + stats["accepted"])
+    assert sample("specdec_request_duration_seconds_count", '{endpoint="/predict"}') >= 1
+    assert sample("specdec_queue_depth") == 0 and sample("specdec_ready") == 1
+
+
+def test_one_log_line_per_request(client, caplog):
+    with caplog.at_level(logging.INFO, logger="specdec.service"):
+        predict(client, max_new_tokens=5, headers={"X-Request-ID": "log-test-1"})
+    lines = [r.getMessage() for r in caplog.records if "request_id=log-test-1" in r.getMessage()]
+    assert len(lines) == 1
+    for part in ("POST /predict", "status=200", f"prompt_tokens={len(PROMPT)}", "completion_tokens=",
+                 "method=google", "acceptance_rate=", "seconds="):
+        assert part in lines[0]
+
+
+# --- errors: one test per kind of bad input --------------------------------------------------------------------
+
+def test_unknown_route_is_json_404(client):
+    assert_error(client.get("/nope"), 404, "not_found")
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/predict"), ("POST", "/healthz"), ("DELETE", "/metrics")])
+def test_wrong_method_is_json_405(client, method, path):
+    response = client.open(path, method=method)
+    assert_error(response, 405, "method_not_allowed")
+    assert "Allow" in response.headers
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "application/json; charset=latin-1"])
+def test_wrong_content_type_is_415(client, content_type):
+    kwargs = {"content_type": content_type} if content_type else {}
+    assert_error(client.post("/predict", data=json.dumps({"prompt": PROMPT}), **kwargs), 415,
+                 "unsupported_media_type")
+
+
+def test_json_with_charset_is_accepted(client):
+    response = client.post("/predict", data=json.dumps({"prompt": PROMPT, "max_new_tokens": 2}),
+                           content_type="application/json; charset=utf-8")
+    assert response.status_code == 200
+
+
+@pytest.mark.parametrize("data", [b"{", b'{"prompt": "x",}', b"", b"\xff\xfe{}", b"[1, 2]", b'"a prompt"', b"null"])
+def test_malformed_json_or_non_object_is_400(client, data):
+    assert_error(client.post("/predict", data=data, content_type="application/json"), 400, "invalid_json")
+
+
+def test_body_over_the_limit_is_413(client):
+    body = json.dumps({"prompt": "a" * (1 << 20)})
+    assert len(body) > 1 << 20
+    assert_error(client.post("/predict", data=body, content_type="application/json"), 413, "body_too_large")
+
+
+def test_chunked_body_over_the_limit_is_413(client):
+    body = json.dumps({"prompt": "a" * (1 << 20)}).encode()
+    response = client.post("/predict", input_stream=io.BytesIO(body), content_type="application/json")
+    assert_error(response, 413, "body_too_large")
+    small = json.dumps({"prompt": PROMPT, "max_new_tokens": 2}).encode()
+    assert client.post("/predict", input_stream=io.BytesIO(small), content_type="application/json").status_code == 200
+
+
+@pytest.mark.parametrize("body, field", [
+    ({}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": 42}, "prompt"),
+    ({"prompt": ["a"]}, "prompt"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"max_new_tokens": 1025}, "max_new_tokens"),
+    ({"max_new_tokens": True}, "max_new_tokens"),
+    ({"max_new_tokens": 8.0}, "max_new_tokens"),
+    ({"max_new_tokens": "8"}, "max_new_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_k": -1}, "top_k"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.01}, "top_p"),
+    ({"seed": "7"}, "seed"),
+    ({"seed": 2**64}, "seed"),
+    ({"seed": False}, "seed"),
+    ({"gamma": 0}, "gamma"),
+    ({"gamma": 17}, "gamma"),
+    ({"gamma": "adaptive"}, "gamma"),
+    ({"method": "draft"}, "method"),
+    ({"method": "medusa"}, "method"),
+    ({"stop": "\n"}, "stop"),
+    ({"stop": ["ok", 3]}, "stop"),
+    ({"stop": [""]}, "stop"),
+    ({"stop": ["x"] * 17}, "stop"),
+    ({"chat": "yes"}, "chat"),
+    ({"details": 1}, "details"),
+    ({"stream": "true"}, "stream"),
+    ({"max_tokens": 5}, "max_tokens"),
+])
+def test_invalid_field_is_422_naming_it(client, body, field):
+    body = {"prompt": PROMPT, **body} if "prompt" not in body and body else body
+    assert_error(client.post("/predict", json=body), 422, "invalid_field", field)
+
+
+def test_null_means_the_configured_default(client):
+    response = predict(client, max_new_tokens=None, temperature=None, gamma=None, method=None, seed=None, stop=None)
+    assert response.status_code == 200
+    stats = response.get_json()["stats"]
+    assert stats["gamma"] == 4 and stats["method"] == "google"
+    assert response.get_json()["usage"]["completion_tokens"] <= 64
+
+
+def test_prompt_over_the_token_limit_is_422(pair):
+    client = make_app(pair, max_prompt_tokens=10).test_client()
+    assert predict(client, prompt="a" * 10, max_new_tokens=2).status_code == 200
+    assert_error(predict(client, prompt="a" * 11), 422, "prompt_too_long", "prompt")
+
+
+def test_prompt_over_the_context_minus_max_new_tokens_is_422(client):
+    assert predict(client, prompt="a" * 156, max_new_tokens=100).status_code == 200  # exactly 256
+    error = assert_error(predict(client, prompt="a" * 157, max_new_tokens=100), 422, "prompt_too_long", "prompt")
+    assert "256" in error["message"]
+
+
+def test_chat_without_a_template_is_422(pair):
+    draft, target, tokenizer = pair
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = None
+    client = make_app((draft, target, plain)).test_client()
+    assert_error(predict(client, chat=True), 422, "invalid_field", "chat")
+
+
+def test_queue_full_is_503_with_retry_after(pair):
+    app = make_app(pair, queue_size=0)
+    slot = app.extensions["specdec"].scheduler.acquire()  # another request is decoding
+    try:
+        response = predict(app.test_client())
+    finally:
+        slot.release()
+    assert_error(response, 503, "overloaded")
+    assert response.headers["Retry-After"] == "5"
+    assert predict(app.test_client(), max_new_tokens=2).status_code == 200
+
+
+def test_queue_timeout_is_503_with_retry_after(pair):
+    app = make_app(pair, queue_size=1, queue_timeout=0.2)
+    slot = app.extensions["specdec"].scheduler.acquire()
+    try:
+        response = predict(app.test_client())
+    finally:
+        slot.release()
+    error = assert_error(response, 503, "overloaded")
+    assert "queue timeout" in error["message"] and response.headers["Retry-After"] == "5"
+
+
+def test_unexpected_failure_is_500_and_the_server_keeps_serving(app, client, service, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(service.decoder, "stream", broken)
+    with caplog.at_level(logging.ERROR, logger="specdec.service"):
+        response = predict(client)
+    error = assert_error(response, 500, "internal_error")
+    request_id = response.headers["X-Request-ID"]
+    assert request_id in error["message"] and "Traceback" not in response.get_data(as_text=True)
+    assert any(request_id in r.getMessage() and r.exc_info for r in caplog.records)
+    monkeypatch.undo()
+    assert not service.scheduler.busy
+    assert predict(client, max_new_tokens=3).status_code == 200
+
+
+def test_failure_mid_stream_is_an_error_event(client, service, monkeypatch):
+    real_stream = service.decoder.stream
+
+    def failing(*args, **kwargs):
+        stream = real_stream(*args, **kwargs)
+        yield next(stream)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(service.decoder, "stream", failing)
+    response = predict(client, stream=True, buffered=True)
+    events = sse_events(response)
+    assert events[-1]["error"]["type"] == "internal_error" and "finish_reason" not in events[-1]
+    assert not service.scheduler.busy
+
+
+# --- decoding over HTTP ----------------------------------------------------------------------------------------
+
+def test_details_list_every_token(client):
+    body = predict(client, max_new_tokens=25, details=True, seed=3).get_json()
+    tokens = body["tokens"]
+    assert len(tokens) == body["usage"]["completion_tokens"]
+    assert "".join(t["text"] for t in tokens) == body["text"]
+    assert all(set(t) == {"id", "text", "source"} and isinstance(t["id"], int) for t in tokens)
+    assert {t["source"] for t in tokens} <= {"draft", "resampled", "bonus"}
+    target_only = predict(client, max_new_tokens=5, details=True, method="target").get_json()
+    assert {t["source"] for t in target_only["tokens"]} == {"target"}
+
+
+def reference(client, **kwargs):
+    """A greedy completion long enough to pick stop strings from."""
+    body = predict(client, temperature=0, max_new_tokens=60, details=True, **kwargs).get_json()
+    assert len(body["text"]) >= 30, body
+    return body
+
+
+def test_stop_string_cuts_the_text(client):
+    full = reference(client)["text"]
+    stop = full[20:23]
+    expected = full[:full.find(stop)]
+    body = predict(client, temperature=0, max_new_tokens=60, stop=["never-there", stop], details=True).get_json()
+    assert body["text"] == expected and body["finish_reason"] == "stop"
+    joined = "".join(t["text"] for t in body["tokens"])
+    assert joined.startswith(expected + stop[0]) and len(joined) < len(full)  # decoding stopped early
+    assert body["usage"]["completion_tokens"] == len(body["tokens"])
+    assert body["stats"]["new_tokens"] >= len(body["tokens"])
+
+
+def test_stop_string_in_a_stream_is_never_sent(client):
+    full = reference(client)["text"]
+    stop = full[20:24]
+    expected = full[:full.find(stop)]
+    events = sse_events(predict(client, temperature=0, max_new_tokens=60, stop=[stop], stream=True, buffered=True))
+    sent = "".join(e["text"] for e in events)
+    assert sent == expected and events[-1]["finish_reason"] == "stop"
+
+
+def test_seed_reproducibility(client):
+    first = predict(client, temperature=1.0, top_p=1.0, seed=1234, details=True).get_json()
+    again = predict(client, temperature=1.0, top_p=1.0, seed=1234, details=True).get_json()
+    assert first["tokens"] == again["tokens"] and first["text"] == again["text"]
+    others = [predict(client, temperature=1.0, top_p=1.0, seed=s).get_json()["text"] for s in (1, 2, 3)]
+    assert any(text != first["text"] for text in others)
+
+
+@pytest.mark.parametrize("method, gamma", [("google", 1), ("google", 4), ("google", None), ("deepmind", 3)])
+def test_greedy_equals_target_only_greedy(client, method, gamma):
+    target_only = predict(client, temperature=0, max_new_tokens=50, method="target").get_json()
+    speculative = predict(client, temperature=0, max_new_tokens=50, method=method, gamma=gamma).get_json()
+    assert speculative["text"] == target_only["text"]
+    assert speculative["usage"] == target_only["usage"]
+
+
+def test_chat_applies_the_template(client):
+    plain = predict(client, max_new_tokens=2).get_json()
+    chat = predict(client, max_new_tokens=2, chat=True).get_json()
+    # "<bos>user: " + prompt + "\n" + "<bos>assistant: " with <bos> as one token
+    assert chat["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] + len("user: \nassistant: ") + 2
+
+
+def test_stream_sends_one_event_per_round_then_a_summary(client):
+    response = predict(client, stream=True, seed=9, max_new_tokens=40, details=True, buffered=True)
+    assert response.status_code == 200 and response.mimetype == "text/event-stream"
+    events = sse_events(response)
+    final = events[-1]
+    assert set(final) == {"text", "finish_reason", "usage", "stats"}
+    assert len(events) - 1 == final["stats"]["rounds"]  # speculation commits several tokens per event
+    assert any(len(e["tokens"]) > 1 for e in events[:-1])
+    plain = predict(client, seed=9, max_new_tokens=40).get_json()
+    assert "".join(e["text"] for e in events) == plain["text"]
+    assert final["usage"] == plain["usage"] and final["finish_reason"] == plain["finish_reason"]
+
+
+def test_closing_a_stream_stops_generation(client, service, caplog):
+    def generated():
+        for line in client.get("/metrics").get_data(as_text=True).splitlines():
+            if line.startswith("specdec_generated_tokens_total "):
+                return float(line.split()[-1])
+
+    before = generated()
+    with caplog.at_level(logging.INFO, logger="specdec.service"):
+        response = predict(client, stream=True, max_new_tokens=200, gamma=2, headers={"X-Request-ID": "gone-1"})
+        first = next(iter(response.response))
+        assert first.startswith(b"data: ") and service.scheduler.busy
+        response.close()  # what the server does when a write to a departed client fails
+    assert not service.scheduler.busy
+    assert generated() - before <= 3  # one round of gamma 2, not 200 tokens
+    assert any("request_id=gone-1" in r.getMessage() and "finish_reason=cancelled" in r.getMessage()
+               for r in caplog.records)
+    assert predict(client, max_new_tokens=3).status_code == 200
+

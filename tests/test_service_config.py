@@ -1,0 +1,85 @@
+"""config.py: defaults < SPECDEC_CONFIG file < SPECDEC_* variables < create_app overrides; one clear error."""
+
+import tomllib
+
+import pytest
+
+from specdec.config import DEFAULT_FILE, ConfigError, Settings, load_settings
+
+
+def test_defaults():
+    settings = load_settings(environ={})
+    assert (settings.host, settings.port) == ("127.0.0.1", 5000)
+    assert settings.target_model == settings.draft_model == "default"
+    assert (settings.device, settings.dtype) == ("auto", "auto")
+    assert (settings.method, settings.gamma) == ("google", 4)
+    assert (settings.max_new_tokens, settings.max_new_tokens_limit) == (64, 1024)
+    assert (settings.temperature, settings.top_p, settings.top_k) == (0.7, 0.9, 0)
+    assert settings.max_body_bytes == 1 << 20
+    assert settings.queue_size >= 0 and settings.queue_timeout > 0 and settings.max_prompt_tokens > 0
+    assert settings.loader is None
+
+
+def test_every_setting_has_a_default():
+    assert set(Settings.model_fields) - {"loader"} == set(tomllib.loads(DEFAULT_FILE.read_text()))
+
+
+def test_layers_override_in_order(tmp_path):
+    file = tmp_path / "site.toml"
+    file.write_text('port = 6000\nmethod = "deepmind"\ngamma = "adaptive"\ntarget_model = "/models/big"\n')
+    environ = {"SPECDEC_CONFIG": str(file), "SPECDEC_PORT": "7000", "SPECDEC_TARGET_MODEL": "/models/env",
+               "SPECDEC_DRAFT_MODEL": "/models/small", "SPECDEC_HOST": "0.0.0.0", "SPECDEC_DEVICE": "cuda:1",
+               "SPECDEC_DTYPE": "BFloat16", "SPECDEC_QUEUE_TIMEOUT": "2.5", "SPECDEC_TOP_K": "", "OTHER": "x"}
+    settings = load_settings({"queue_size": 9}, environ=environ)
+    assert settings.port == 7000 and settings.host == "0.0.0.0"
+    assert settings.method == "deepmind" and settings.gamma is None  # from the file
+    assert settings.target_model == "/models/env" and settings.draft_model == "/models/small"
+    assert settings.device == "cuda:1" and settings.dtype == "bfloat16"
+    assert settings.queue_timeout == 2.5 and settings.queue_size == 9
+    assert settings.top_k == 0  # an empty variable counts as unset
+
+
+def test_loader_may_be_an_import_path():
+    settings = load_settings(environ={"SPECDEC_LOADER": "specdec.loading:load_pair"})
+    from specdec.loading import load_pair
+
+    assert settings.loader is load_pair
+
+
+@pytest.mark.parametrize("environ, overrides, words", [
+    ({"SPECDEC_PORT": "http"}, {}, ["port = 'http'", "from SPECDEC_PORT", "integer"]),
+    ({"SPECDEC_PORT": "70000"}, {}, ["port = '70000'", "65535"]),
+    ({"SPECDEC_DTYPE": "int8"}, {}, ["dtype", "SPECDEC_DTYPE", "bfloat16"]),
+    ({"SPECDEC_METHOD": "draft"}, {}, ["method", "google"]),
+    ({"SPECDEC_TEMPERATURE": "nan"}, {}, ["temperature", "finite"]),
+    ({"SPECDEC_QUEUE_SIZE": "-1"}, {}, ["queue_size", "greater than or equal to 0"]),
+    ({}, {"max_new_tokens": 2000}, ["max_new_tokens (2000) exceeds max_new_tokens_limit (1024)"]),
+    ({}, {"gamma": 20}, ["gamma (20) exceeds max_gamma (16)"]),
+    ({}, {"max_body_bytes": 10}, ["max_body_bytes = 10 (from create_app)"]),
+    ({"SPECDEC_LOADER": "no.such.module:load"}, {}, ["loader", "cannot import"]),
+    ({"SPECDEC_CONFIG": "/no/such/file.toml"}, {}, ["SPECDEC_CONFIG", "/no/such/file.toml", "does not exist"]),
+])
+def test_invalid_configuration_is_one_clear_error(environ, overrides, words):
+    with pytest.raises(ConfigError) as raised:
+        load_settings(overrides, environ=environ)
+    message = str(raised.value)
+    assert message.startswith("invalid configuration") or "SPECDEC_CONFIG" in message
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_several_problems_are_named_together(tmp_path):
+    file = tmp_path / "bad.toml"
+    file.write_text('prot = 5000\ntop_p = 0\n')
+    with pytest.raises(ConfigError) as raised:
+        load_settings(environ={"SPECDEC_CONFIG": str(file), "SPECDEC_PORT": "x"})
+    message = str(raised.value)
+    assert f"unknown setting 'prot' (from {file})" in message and "top_p = 0" in message and "SPECDEC_PORT" in message
+
+
+def test_unreadable_toml_is_one_clear_error(tmp_path):
+    file = tmp_path / "broken.toml"
+    file.write_text("port = = 1\n")
+    with pytest.raises(ConfigError, match="cannot read the file named by SPECDEC_CONFIG"):
+        load_settings(environ={"SPECDEC_CONFIG": str(file)})

@@ -1,0 +1,111 @@
+"""detokenizer.py: incremental text equals one-shot decoding, multi-byte characters split over tokens, stop
+strings cut the text and are never streamed."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from conftest import make_tokenizer
+from specdec.detokenizer import Completion, Detokenizer
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """Byte-level BPE with no merges: every UTF-8 byte is a token, so "é" takes two."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def decoder_of(tokenizer):
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_multibyte_characters_come_whole(byte_tokenizer):
+    text = "naïve café — 日本 🙂!"
+    ids = byte_tokenizer.encode(text)
+    assert len(ids) > len(text)
+    detokenizer = Detokenizer(decoder_of(byte_tokenizer), byte_tokenizer.encode("Say: "))
+    pieces = [detokenizer.add(i) for i in ids]
+    assert "".join(pieces) == text
+    assert "" in pieces and all("\ufffd" not in p for p in pieces)
+
+
+def test_an_incomplete_last_character_is_flushed_as_replacement(byte_tokenizer):
+    ids = byte_tokenizer.encode("ok é")[:-1]
+    completion = Completion(decoder_of(byte_tokenizer), [], ())
+    completion.feed(ids, ["target"] * len(ids))
+    assert completion.take() == "ok "
+    completion.finish()
+    assert completion.text == "ok \ufffd" and completion.take() == "\ufffd"
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=st.text(min_size=0, max_size=8), text=st.text(min_size=1, max_size=30),
+       cuts=st.lists(st.integers(1, 5), max_size=10))
+def test_chunked_text_equals_decoding_at_once(byte_tokenizer, prompt, text, cuts):
+    ids = byte_tokenizer.encode(text)
+    completion = Completion(decoder_of(byte_tokenizer), byte_tokenizer.encode(prompt), ())
+    sent, start = [], 0
+    for size in cuts + [len(ids)]:
+        chunk = ids[start:start + size]
+        start += size
+        completion.feed(chunk, ["draft"] * len(chunk))
+        sent.append(completion.take())
+    completion.finish()
+    sent.append(completion.take())
+    assert "".join(sent) == completion.text == text
+    assert "".join(t["text"] for t in completion.tokens) == text
+
+
+def feed_text(completion, tokenizer, text, chunk=3):
+    ids = tokenizer.encode(text)
+    sent = []
+    for i in range(0, len(ids), chunk):
+        completion.feed(ids[i:i + chunk], ["draft"] * len(ids[i:i + chunk]))
+        sent.append(completion.take())
+        if completion.stopped:
+            break
+    completion.finish()
+    sent.append(completion.take())
+    return "".join(sent)
+
+
+@pytest.mark.parametrize("text, stop, expected", [
+    ("Hello world. Bye", ["."], "Hello world"),
+    ("Hello world. Bye", ["world", "Hello"], ""),
+    ("Hello world. Bye", ["orld", "lo w"], "Hel"),
+    ("a--b--c", ["--"], "a"),
+    ("Hello world", ["xyz"], "Hello world"),
+    ("Hello wor", ["world"], "Hello wor"),  # a stop string's start at the very end is released when decoding ends
+])
+def test_stop_strings(text, stop, expected):
+    tokenizer = make_tokenizer()
+    completion = Completion(decoder_of(tokenizer), [], stop)
+    assert feed_text(completion, tokenizer, text) == expected
+    assert completion.text == expected
+    assert completion.stopped == (expected != text)
+
+
+def test_tokens_after_a_stop_string_are_dropped():
+    tokenizer = make_tokenizer()
+    completion = Completion(decoder_of(tokenizer), [], ["b"])
+    ids = tokenizer.encode("abcdef")
+    kept = completion.feed(ids, ["draft", "draft", "draft", "resampled", "bonus", "draft"])
+    assert [t["text"] for t in kept] == ["a", "b"] and completion.stopped
+    assert completion.text == "a" and completion.take() == "a"
+    assert completion.feed(tokenizer.encode("gh"), ["bonus", "bonus"]) == []
+
+
+def test_a_possible_stop_string_start_is_held_back():
+    tokenizer = make_tokenizer()
+    completion = Completion(decoder_of(tokenizer), [], ["STOP"])
+    completion.feed(tokenizer.encode("go ST"), ["draft"] * 5)
+    assert completion.take() == "go "
+    completion.feed(tokenizer.encode("ay"), ["draft"] * 2)
+    assert completion.take() == "STay"

@@ -1,0 +1,260 @@
+"""The service under a real gunicorn (`python serving.py`) on 127.0.0.1 with the saved tiny pair: the README's
+curl request, SSE read by a real client, 8 concurrent clients against a queue of 2, metrics, client disconnect,
+SIGTERM during a request, and start-up refusing a bad configuration."""
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+pytestmark = pytest.mark.xdist_group("gunicorn")
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+PROMPT = "Who is the president of the USA"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """`python serving.py` in a clean environment: only the SPECDEC_* settings given here."""
+
+    def __init__(self, log_path: Path, **settings):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
+        env.update({f"SPECDEC_{k.upper()}": str(v) for k, v in settings.items()})
+        env.update(SPECDEC_HOST="127.0.0.1", SPECDEC_PORT=str(self.port), PYTHONPATH=str(TESTS),
+                   OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self.log_path = log_path
+        with open(log_path, "wb") as log:
+            self.process = subprocess.Popen([sys.executable, "serving.py"], cwd=ROOT, env=env, stdout=log,
+                                            stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                pytest.fail(f"the server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if requests.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.1)
+        pytest.fail(f"the server was not ready within {timeout} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        for line in requests.get(self.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + labels + " "):
+                return float(line.split()[-1])
+        return 0.0
+
+
+def start(tmp_path_factory, tiny_pair_dirs, name, **settings) -> Server:
+    draft_dir, target_dir = tiny_pair_dirs
+    server = Server(tmp_path_factory.mktemp(name) / "server.log", draft_model=draft_dir, target_model=target_dir,
+                    device="cpu", loader="slow_pair:load", **settings)
+    server.wait_ready()
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_pair_dirs):
+    server = start(tmp_path_factory, tiny_pair_dirs, "server", queue_size=2, queue_timeout=30)
+    yield server
+    server.stop()
+
+
+def post(server, body, **kwargs):
+    return requests.post(server.url + "/predict", json=body, timeout=60, **kwargs)
+
+
+def test_health_and_readiness(server, tiny_pair_dirs):
+    assert requests.get(server.url + "/healthz", timeout=5).json() == {"status": "ok"}
+    ready = requests.get(server.url + "/readyz", timeout=5).json()
+    assert ready["models"] == {"draft": "draft", "target": "target"} and ready["device"] == "cpu"
+
+
+def test_the_readme_curl_request(server):
+    command = ["-X", "POST", "-H", "Content-Type: application/json", "-d",
+               '{"prompt": "Who is the president of the USA"}', server.url + "/predict"]
+    if shutil.which("curl"):
+        done = subprocess.run(["curl", "-s", *command], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        body = json.loads(done.stdout)
+    else:  # the same request, byte for byte, without curl
+        body = requests.post(command[-1], data=command[5], headers={"Content-Type": "application/json"},
+                             timeout=60).json()
+    assert isinstance(body["text"], str) and body["finish_reason"] in ("length", "stop")
+    assert body["usage"]["prompt_tokens"] == len(PROMPT) and 1 <= body["usage"]["completion_tokens"] <= 64
+    assert 0 <= body["stats"]["acceptance_rate"] <= 1
+
+
+def test_errors_are_json_under_gunicorn(server):
+    response = requests.post(server.url + "/predict", data="prompt=hi", timeout=10,
+                             headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 415 and response.json()["error"]["type"] == "unsupported_media_type"
+    response = requests.get(server.url + "/predict", timeout=10)
+    assert response.status_code == 405 and response.headers["Content-Type"] == "application/json"
+    response = post(server, {"prompt": "a" * (1 << 20)})
+    assert response.status_code == 413 and response.json()["error"]["type"] == "body_too_large"
+    chunked = (b'{"prompt": "' if i == 0 else b"a" * 65536 for i in range(20))  # no Content-Length
+    response = requests.post(server.url + "/predict", data=chunked, timeout=30,
+                             headers={"Content-Type": "application/json"})
+    assert response.status_code == 413 and "1048576" in response.json()["error"]["message"]
+
+
+def test_sse_stream_read_by_a_real_client(server):
+    body = {"prompt": PROMPT, "max_new_tokens": 40, "seed": 5, "details": True}
+    events = []
+    with post(server, {**body, "stream": True}, stream=True) as response:
+        assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/event-stream")
+        for line in response.iter_lines(decode_unicode=True):
+            if line:
+                assert line.startswith("data: ")
+                events.append(json.loads(line.removeprefix("data: ")))
+    final = events[-1]
+    assert len(events) - 1 == final["stats"]["rounds"] >= 2
+    plain = post(server, body).json()
+    assert "".join(e["text"] for e in events) == plain["text"]
+    assert [t for e in events[:-1] for t in e["tokens"]] == plain["tokens"]
+    assert final["usage"] == plain["usage"] and final["finish_reason"] == plain["finish_reason"]
+
+
+def test_eight_concurrent_clients_with_a_queue_of_two(server):
+    prompts = [f"client {i}: " + "ab" * i for i in range(8)]  # distinct lengths identify the prompt
+    barrier = threading.Barrier(8)
+    results = [None] * 8
+
+    def client(i):
+        barrier.wait()
+        try:
+            response = post(server, {"prompt": prompts[i], "seed": i, "max_new_tokens": 120},
+                            headers={"X-Request-ID": f"concurrent-{i}"})
+            results[i] = (response.status_code, response.headers, response.json())
+        except Exception as error:  # noqa: BLE001 - a lost request must fail the test, not the thread
+            results[i] = error
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert all(isinstance(r, tuple) for r in results), results
+    statuses = [status for status, _, _ in results]
+    assert set(statuses) <= {200, 503} and statuses.count(200) >= 1 and statuses.count(503) >= 1, statuses
+    for i, (status, headers, body) in enumerate(results):
+        assert headers["X-Request-ID"] == f"concurrent-{i}"
+        if status == 503:
+            assert body["error"]["type"] == "overloaded" and int(headers["Retry-After"]) >= 1
+        else:  # the answer belongs to this client's prompt: the same as asking alone
+            assert body["usage"]["prompt_tokens"] == len(prompts[i])
+            alone = post(server, {"prompt": prompts[i], "seed": i, "max_new_tokens": 120}).json()
+            assert body["text"] == alone["text"] and body["usage"] == alone["usage"]
+    log = server.log()
+    for i in range(8):  # answered exactly once
+        assert len(re.findall(rf"request_id=concurrent-{i} POST /predict status={statuses[i]} ", log)) == 1
+
+
+def test_metrics_counters_move(server):
+    served = '{endpoint="/predict",status="200"}'
+    before = {name: server.metric(name) for name in ("specdec_generated_tokens_total",
+                                                     "specdec_draft_tokens_proposed_total",
+                                                     "specdec_draft_tokens_accepted_total")}
+    requests_before = server.metric("specdec_requests_total", served)
+    stats = post(server, {"prompt": PROMPT, "max_new_tokens": 30}).json()["stats"]
+    assert server.metric("specdec_requests_total", served) == requests_before + 1
+    assert server.metric("specdec_generated_tokens_total") == before["specdec_generated_tokens_total"] + 30
+    assert server.metric("specdec_draft_tokens_proposed_total") == (before["specdec_draft_tokens_proposed_total"]
+                                                                    + stats["proposed"])
+    assert server.metric("specdec_draft_tokens_accepted_total") == (before["specdec_draft_tokens_accepted_total"]
+                                                                    + stats["accepted"])
+    assert server.metric("specdec_request_duration_seconds_count", '{endpoint="/predict"}') >= 1
+    assert server.metric("specdec_queue_depth") == 0 and server.metric("specdec_ready") == 1
+
+
+def test_a_client_that_disconnects_stops_the_generation(server):
+    served = '{endpoint="/predict",status="200"}'
+    requests_before = server.metric("specdec_requests_total", served)
+    generated_before = server.metric("specdec_generated_tokens_total")
+    response = post(server, {"prompt": PROMPT, "max_new_tokens": 200, "stream": True}, stream=True,
+                    headers={"X-Request-ID": "disconnects-1"})
+    lines = response.iter_lines()
+    assert next(line for line in lines if line).startswith(b"data: ")
+    response.close()  # drops the connection mid-stream
+    deadline = time.monotonic() + 20
+    while server.metric("specdec_requests_total", served) == requests_before:  # recorded when the server notices
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.05)
+    assert server.metric("specdec_generated_tokens_total") - generated_before < 200
+    assert re.search(r"request_id=disconnects-1 .*finish_reason=cancelled", server.log())
+    assert post(server, {"prompt": PROMPT, "max_new_tokens": 5}).status_code == 200  # the engine is free again
+
+
+def test_sigterm_lets_the_in_flight_request_finish(tmp_path_factory, tiny_pair_dirs):
+    server = start(tmp_path_factory, tiny_pair_dirs, "sigterm")
+    try:
+        events = []
+        with post(server, {"prompt": PROMPT, "max_new_tokens": 150, "gamma": 2, "stream": True},
+                  stream=True) as response:
+            for line in response.iter_lines(decode_unicode=True):
+                if not line:
+                    continue
+                events.append(json.loads(line.removeprefix("data: ")))
+                if len(events) == 1:
+                    server.process.send_signal(signal.SIGTERM)
+        final = events[-1]
+        assert final["finish_reason"] in ("length", "stop") and final["stats"]["rounds"] == len(events) - 1
+        assert len(events) > 3  # decoding went on after the signal
+        if final["finish_reason"] == "length":
+            assert final["usage"]["completion_tokens"] == 150
+        assert server.process.wait(30) == 0
+        log = server.log()
+        assert log.index("Handling signal: term") < log.index("POST /predict status=200")  # it was in flight
+    finally:
+        server.stop()
+
+
+def test_invalid_configuration_stops_start_up_with_one_message(tmp_path):
+    server = Server(tmp_path / "bad-config.log", queue_timeout="soon")
+    assert server.process.wait(60) != 0
+    log = server.log()
+    assert "specdec: invalid configuration: queue_timeout = 'soon' (from SPECDEC_QUEUE_TIMEOUT)" in log
+    assert "Traceback" not in log
+
+
+def test_a_model_that_cannot_load_stops_the_server(tmp_path, tiny_pair_dirs):
+    server = Server(tmp_path / "bad-model.log", draft_model=tiny_pair_dirs[0], target_model=tmp_path / "missing",
+                    device="cpu")
+    try:
+        assert server.process.wait(90) == 4  # gunicorn: "App failed to load."
+    finally:
+        server.stop()
+    assert "model loading failed: the target model" in server.log()

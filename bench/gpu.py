@@ -11,17 +11,15 @@ no end-to-end speedup is claimed from these figures.
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from specdec import SpeculativeDecoder  # noqa: E402
-from specdec.bench import machine_info  # noqa: E402
+from specdec.bench import forward_ms, machine_info  # noqa: E402
 
 SHAPES = {  # name: (hidden, intermediate, layers, heads, kv_heads)
     "target-7b": (4096, 11008, 32, 32, 32),
@@ -44,28 +42,6 @@ def build(shape: str, vocab: int, device: str, dtype: torch.dtype):
     finally:
         torch.set_default_dtype(previous)
     return model.eval()
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-@torch.inference_mode()
-def forward_ms(model, context: int, new: int, device: str, repeats: int) -> float:
-    """Median ms of one forward over `new` tokens after a cached context of `context` tokens."""
-    cache = DynamicCache(config=model.config)
-    ids = torch.randint(0, model.config.vocab_size, (1, context + new), device=device)
-    model(input_ids=ids[:, :context], cache=cache, use_cache=True)
-    times = []
-    for _ in range(repeats + 2):
-        sync(device)
-        start = time.perf_counter()
-        model(input_ids=ids[:, context:], cache=cache, use_cache=True, logits_to_keep=new)
-        sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-        cache.crop(-new)
-    return statistics.median(times[2:])
 
 
 def main(argv=None) -> int:

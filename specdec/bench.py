@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import DynamicCache
 
 from .adaptive import expected_speedup
 from .cpu_linear import pack_linears, unpack_linears
@@ -57,6 +58,36 @@ def machine_info() -> dict:
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version()}
+
+
+@torch.inference_mode()
+def forward_ms(model, context: int, new: int, device, repeats: int) -> float:
+    """Median ms of one forward over `new` tokens after `context` cached tokens (the cache is cropped back)."""
+    cache = DynamicCache(config=model.config)
+    ids = torch.randint(0, model.config.vocab_size, (1, context + new), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    model(input_ids=ids[:, :context], cache=cache, use_cache=True)
+    times = []
+    for _ in range(repeats + 2):
+        _sync(ids.device)
+        start = time.perf_counter()
+        model(input_ids=ids[:, context:], cache=cache, use_cache=True, logits_to_keep=new)
+        _sync(ids.device)
+        times.append((time.perf_counter() - start) * 1e3)
+        cache.crop(-new)
+    return statistics.median(times[2:])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def verification_cost(model, max_new: int, context: int = 128, repeats: int = 5) -> dict:
+    """Target forward ms over 1..max_new new tokens, and each relative to one token."""
+    device = model.get_input_embeddings().weight.device
+    ms = {n: forward_ms(model, context, n, device, repeats) for n in range(1, max_new + 1)}
+    return {"context": context, "ms": ms, "relative": {n: v / ms[1] for n, v in ms.items()}}
 
 
 def run_hf(method: str, draft, target, ids: list[int], max_new_tokens: int, mode: dict, seed: int) -> dict:

@@ -183,6 +183,11 @@ def markdown(report: dict) -> str:
              "Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items() if v is not None), "",
              f"Models: draft `{report['draft']}`, target `{report['target']}`; {report['prompts']} prompts, "
              f"max_new_tokens {report['max_new_tokens']}, repeats {report['repeats']}, gamma {report['gamma']}.", ""]
+    for kernels, block in report.get("verification_cost", {}).items():
+        lines.append(f"Target forward over n new tokens ({kernels} kernels, {block['context']} cached): "
+                     + ", ".join(f"n={n}: {fmt(ms, '.0f')} ms ({fmt(block['relative'][n])}x)"
+                                 for n, ms in block["ms"].items()))
+        lines.append("")
     for mode, block in report["summary"].items():
         lines += [f"## {mode} ({', '.join(f'{k}={v}' for k, v in MODES[mode].items())})", "",
                   f"Measured cost ratio c (draft/target time per token): {fmt(block['cost_ratio_c'], '.3f')}", "",
@@ -272,6 +277,8 @@ def main(argv=None) -> int:
     plan += [("greedy", "google", i, 0, g) for g in sweep_gammas for i in range(min(args.sweep_prompts, len(prompts)))
              if "greedy" in modes]
 
+    verify_width = max([args.gamma] + sweep_gammas) + 1
+    cost = {"stock": verification_cost(target, verify_width)}
     runs, packed = [], False
     for mode, method, i, rep, sweep_gamma in tqdm(plan, desc="bench", unit="run", file=sys.stderr):
         seed = args.seed + 1000 * rep + i
@@ -279,8 +286,8 @@ def main(argv=None) -> int:
             stats = run_hf(method, draft, target, encoded[i], args.max_new_tokens, MODES[mode], seed)
         else:
             if not packed:  # HF baselines ran on stock weights; ours use the load_pair default (packed on CPU)
-                pack_linears(target)
-                pack_linears(draft)
+                if pack_linears(target) + pack_linears(draft):
+                    cost["ours"] = verification_cost(target, verify_width)
                 decoder = SpeculativeDecoder(draft, target, tokenizer)
                 packed = True
             stats = run_ours(method, decoder, encoded[i], args.max_new_tokens, MODES[mode], seed,
@@ -295,7 +302,7 @@ def main(argv=None) -> int:
               "command": " ".join(["python -m specdec.bench"] + (argv if argv is not None else sys.argv[1:])),
               "machine": machine_info(), "draft": args.draft or "default", "target": args.target or "default",
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-              "gamma": args.gamma, "summary": summarise(runs, args.gamma), "runs": runs}
+              "gamma": args.gamma, "verification_cost": cost, "summary": summarise(runs, args.gamma), "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

@@ -315,8 +315,11 @@ def fault_time_limit(server: Server, request_timeout: float, max_new_tokens: int
             "completion_tokens": answer.get("usage", {}).get("completion_tokens")}
 
 
-def fault_sigterm(server: Server, max_new_tokens: int = 60) -> dict:
-    """SIGTERM while a request decodes: the request finishes whole, then the worker and gunicorn exit 0."""
+def fault_sigterm(server: Server, max_new_tokens: int = 30) -> dict:
+    """SIGTERM while a request decodes: the request finishes whole, then the worker and gunicorn exit 0.
+
+    The request must take well under the server's request_timeout, or it would end with "time_limit".
+    """
     events = []
     signalled = None
     with server.post({"prompt": "finish me", "max_new_tokens": max_new_tokens, "gamma": 2, "stream": True,
@@ -339,7 +342,8 @@ def fault_sigterm(server: Server, max_new_tokens: int = 60) -> dict:
     in_flight = 0 <= log.find("Handling signal: term") < served
     ok = (final.get("finish_reason") == "length" and final["usage"]["completion_tokens"] == max_new_tokens
           and len(events) > 2 and in_flight and code == 0)
-    return {"ok": ok, "finished_after_signal_ms": round(finished * 1000), "events": len(events), "exit_code": code}
+    return {"ok": ok, "finished_after_signal_ms": round(finished * 1000), "events": len(events), "exit_code": code,
+            "finish_reason": final.get("finish_reason"), "signal_before_answer": in_flight}
 
 
 # --- soak ------------------------------------------------------------------------------------------------------
@@ -457,7 +461,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     started = time.time()
-    figures: dict = {"command": "python -m specdec.stress " + " ".join(argv if argv is not None else sys.argv[1:]),
+    figures: dict = {"command": " ".join(["python -m specdec.stress", *(argv if argv is not None else sys.argv[1:])]),
                      "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
                      "settings": {"queue_size": 4, "retry_after": 1, "forward_delay_s": args.delay}, "faults": {}}
     with tempfile.TemporaryDirectory(prefix="specdec-stress-") as tmp:

@@ -93,6 +93,15 @@ def save_tiny_pair(folder, arch: str = "llama", vocab_size: int = 100, noise: fl
     return paths["draft"], paths["target"]
 
 
+def make_app(pair, **overrides):
+    """A service app serving an already-loaded (draft, target, tokenizer), ready when returned."""
+    from specdec.service import create_app
+
+    app = create_app({"loader": lambda settings: pair, **overrides})
+    assert app.extensions["specdec"].wait_until_loaded(30)
+    return app
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     # pytest 9.2 reads a node's id from Node._id, while pytest-xdist 3.8 writes its `--dist loadgroup` tag

@@ -8,6 +8,7 @@ import logging
 import threading
 
 import pytest
+from conftest import make_app
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec import SpecDecError
@@ -29,12 +30,6 @@ def pair(tiny_pair_dirs):
     draft_dir, target_dir = tiny_pair_dirs
     return (AutoModelForCausalLM.from_pretrained(draft_dir), AutoModelForCausalLM.from_pretrained(target_dir),
             AutoTokenizer.from_pretrained(target_dir))
-
-
-def make_app(pair, **overrides):
-    app = create_app({"loader": lambda settings: pair, **overrides})
-    assert app.extensions["specdec"].wait_until_loaded(30)
-    return app
 
 
 @pytest.fixture(scope="module")

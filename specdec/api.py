@@ -12,11 +12,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .config import Settings
+from .engine import MIN_TEMPERATURE
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
-# Below this a temperature overflows float32 logits (x / t becomes inf, softmax NaN); 0 itself means greedy.
-MIN_TEMPERATURE = 1e-5
 INT_DIGITS = sys.get_int_max_str_digits() or 4300  # Python refuses to parse longer integer literals
 
 

@@ -25,6 +25,7 @@ METHODS = ("google", "deepmind", "target", "draft")
 SPECULATIVE_METHODS = ("google", "deepmind")
 MAX_GAMMA = 64  # a hard bound on proposals per round; adaptive gamma stays far below it
 ADAPTIVE_MAX_GAMMA = 8
+MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32; 0 means greedy
 
 
 @dataclass
@@ -212,8 +213,9 @@ class SpeculativeDecoder:
         if gamma is not None:
             gamma = _int_param(gamma, "gamma", 1, MAX_GAMMA)
         temperature = _float_param(temperature, "temperature")
-        if temperature < 0:
-            raise SpecDecError(f"temperature must be >= 0, got {temperature}", field="temperature")
+        if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
+            raise SpecDecError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}",
+                               field="temperature")
         top_k = _int_param(top_k, "top_k", 0)
         top_p = _float_param(top_p, "top_p")
         if not 0 < top_p <= 1:

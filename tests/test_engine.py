@@ -194,6 +194,7 @@ def test_caches_hold_committed_prefix_after_each_round(pair, monkeypatch):
 @pytest.mark.parametrize("kwargs,field", [
     ({"gamma": 0}, "gamma"), ({"gamma": -1}, "gamma"), ({"gamma": 2.5}, "gamma"),
     ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": 1e-30}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
     ({"max_new_tokens": 0}, "max_new_tokens"), ({"method": "beam"}, "method"), ({"seed": "x"}, "seed"),
 ])

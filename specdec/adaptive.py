@@ -3,12 +3,16 @@
 With acceptance rate alpha and draft/target cost ratio c, one round of gamma proposals yields on average
 (1 - alpha^(gamma+1)) / (1 - alpha) tokens for a cost of gamma * c + 1 target forwards. We pick the gamma in
 [1, max_gamma] that maximises that ratio, re-estimating alpha and c from the request as it decodes.
+
+alpha is the probability that a single proposal is accepted. The acceptance *rate* (accepted / proposed)
+understates it, because proposals after the first rejection are discarded unexamined; so alpha is fitted to the
+tokens committed per round instead (the alpha for which the model predicts the observed mean).
 """
 
 import math
 
 
-def expected_tokens(alpha: float, gamma: int) -> float:
+def expected_tokens(alpha: float, gamma: float) -> float:
     """Expected tokens committed per round: (1 - alpha^(gamma+1)) / (1 - alpha) (gamma + 1 when alpha == 1)."""
     if alpha >= 1.0:
         return gamma + 1.0
@@ -18,6 +22,18 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 def expected_speedup(alpha: float, gamma: int, c: float) -> float:
     """Leviathan et al. eq. (1): speedup over target-only decoding for acceptance alpha and cost ratio c."""
     return expected_tokens(alpha, gamma) / (gamma * c + 1.0)
+
+
+def fit_alpha(tokens_per_round: float, gamma: float) -> float:
+    """The alpha whose expected tokens per round at this gamma equals the observed mean (bisection)."""
+    low, high = 0.0, 1.0
+    for _ in range(40):
+        mid = (low + high) / 2
+        if expected_tokens(mid, gamma) < tokens_per_round:
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 def best_gamma(alpha: float, c: float, max_gamma: int) -> int:
@@ -35,6 +51,8 @@ class AdaptiveGamma:
         self.prior_weight = prior_weight
         self.proposed = 0
         self.accepted = 0
+        self.rounds = 0
+        self.committed = 0
         self.draft_seconds = 0.0
         self.draft_forwards = 0
         self.target_seconds = 0.0
@@ -42,8 +60,12 @@ class AdaptiveGamma:
 
     @property
     def alpha(self) -> float:
-        """Acceptance estimate, shrunk towards the prior while few tokens have been proposed."""
-        return (self.accepted + self.prior_alpha * self.prior_weight) / (self.proposed + self.prior_weight)
+        """Acceptance fitted to the committed tokens per round, shrunk towards the prior over the first rounds."""
+        if not self.rounds:
+            return self.prior_alpha
+        fitted = fit_alpha(self.committed / self.rounds, self.proposed / self.rounds)
+        weight = self.proposed / (self.proposed + self.prior_weight)
+        return weight * fitted + (1 - weight) * self.prior_alpha
 
     @property
     def cost_ratio(self) -> float | None:
@@ -54,9 +76,11 @@ class AdaptiveGamma:
 
     def update(self, proposed: int, accepted: int, draft_seconds: float, draft_forwards: int,
                target_seconds: float, target_forwards: int) -> None:
-        """Record one round."""
+        """Record one round (it committed accepted + 1 tokens)."""
         self.proposed += proposed
         self.accepted += accepted
+        self.rounds += 1
+        self.committed += accepted + 1
         self.draft_seconds += draft_seconds
         self.draft_forwards += draft_forwards
         self.target_seconds += target_seconds

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from .adaptive import expected_speedup
+from .adaptive import expected_speedup, fit_alpha
 from .cpu_linear import pack_linears, unpack_linears
 from .engine import SpeculativeDecoder
 
@@ -146,8 +146,10 @@ def summarise(runs: list[dict], gamma: int) -> dict:
                 row["acceptance_rate"] = sum(r["accepted"] for r in rs) / proposed
                 row["mean_gamma"] = proposed / rounds
                 row["tokens_per_target_forward"] = row["new_tokens"] / sum(r["target_forwards"] for r in rs)
+                # Leviathan's alpha (per proposal), fitted to tokens per round: accepted/proposed understates it
+                row["alpha"] = fit_alpha(row["new_tokens"] / rounds, row["mean_gamma"])
                 if c is not None:
-                    alpha = min(row["acceptance_rate"], 0.999999)
+                    alpha = min(row["alpha"], 0.999999)
                     # the bound for the measured acceptance and c at the gamma actually used
                     low, high = int(row["mean_gamma"]), int(row["mean_gamma"]) + 1
                     frac = row["mean_gamma"] - low
@@ -191,13 +193,14 @@ def markdown(report: dict) -> str:
     for mode, block in report["summary"].items():
         lines += [f"## {mode} ({', '.join(f'{k}={v}' for k, v in MODES[mode].items())})", "",
                   f"Measured cost ratio c (draft/target time per token): {fmt(block['cost_ratio_c'], '.3f')}", "",
-                  "| method | tokens/s | vs target | vs HF assisted | acceptance | tokens/target fwd | mean gamma "
-                  "| Leviathan bound | efficiency | outside forwards |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| method | tokens/s | vs target | vs HF assisted | acceptance rate | alpha | tokens/target fwd "
+                  "| mean gamma | Leviathan bound | efficiency | outside forwards |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for method, row in block["methods"].items():
             lines.append(
                 f"| {method} | {fmt(row['tokens_per_second'])} | {fmt(row.get('speedup_vs_target'))}x "
                 f"| {fmt(row.get('speedup_vs_hf_assisted'))}x | {fmt(row.get('acceptance_rate'))} "
+                f"| {fmt(row.get('alpha'))} "
                 f"| {fmt(row.get('tokens_per_target_forward'))} | {fmt(row.get('mean_gamma'))} "
                 f"| {fmt(row.get('leviathan_bound'))} | {fmt(row.get('efficiency'))} "
                 f"| {fmt(100 * row['outside_forward_share'] if 'outside_forward_share' in row else None, '.1f')}% |")
@@ -245,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--target", default=None, help="target model (default: the default pair)")
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
     parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--modes", default="greedy,sampling")

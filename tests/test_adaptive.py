@@ -1,8 +1,10 @@
 """adaptive.py: the Leviathan expected-speedup model and the per-request gamma choice."""
 
+import random
+
 import pytest
 
-from specdec.adaptive import AdaptiveGamma, best_gamma, expected_speedup, expected_tokens
+from specdec.adaptive import AdaptiveGamma, best_gamma, expected_speedup, expected_tokens, fit_alpha
 
 
 def test_expected_tokens():
@@ -28,6 +30,26 @@ def test_adaptive_stays_in_bounds():
     policy.update(proposed=40, accepted=39, draft_seconds=0.1, draft_forwards=40, target_seconds=10.0,
                   target_forwards=10)
     assert policy.choose() == 6
-    policy.update(proposed=400, accepted=10, draft_seconds=50.0, draft_forwards=400, target_seconds=10.0,
-                  target_forwards=100)
+    for _ in range(100):
+        policy.update(proposed=4, accepted=0, draft_seconds=0.5, draft_forwards=4, target_seconds=0.1,
+                      target_forwards=1)
     assert policy.choose() == 1
+
+
+def test_fit_alpha_inverts_expected_tokens():
+    for alpha in (0.1, 0.5, 0.8, 0.95):
+        assert fit_alpha(expected_tokens(alpha, 4), 4) == pytest.approx(alpha, abs=1e-6)
+    assert fit_alpha(1.0, 4) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_alpha_estimate_recovers_per_proposal_acceptance():
+    """Simulated rounds with independent acceptances: accepted/proposed is biased low, the fitted alpha is not."""
+    rng = random.Random(0)
+    policy = AdaptiveGamma(max_gamma=8)
+    for _ in range(4000):
+        accepted = 0
+        while accepted < 4 and rng.random() < 0.85:
+            accepted += 1
+        policy.update(4, accepted, 0.1, 4, 1.0, 1)
+    assert policy.accepted / policy.proposed < 0.75
+    assert policy.alpha == pytest.approx(0.85, abs=0.01)

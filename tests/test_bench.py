@@ -6,7 +6,9 @@ import sys
 from pathlib import Path
 
 from specdec import bench
-from specdec.adaptive import expected_speedup
+import pytest
+
+from specdec.adaptive import expected_speedup, fit_alpha
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,14 +44,17 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
 def test_summary_bound_uses_measured_acceptance_and_cost():
     runs = [{"mode": "greedy", "method": "target", "sweep_gamma": None, "new_tokens": 10, "total_seconds": 1.0},
             {"mode": "greedy", "method": "draft", "sweep_gamma": None, "new_tokens": 10, "total_seconds": 0.25},
-            {"mode": "greedy", "method": "google", "sweep_gamma": None, "new_tokens": 10, "total_seconds": 0.5,
+            {"mode": "greedy", "method": "google", "sweep_gamma": None, "new_tokens": 8, "total_seconds": 0.5,
              "proposed": 8, "accepted": 6, "rounds": 2, "target_forwards": 2, "other_seconds": 0.01}]
     row = bench.summarise(runs, gamma=4)["greedy"]
     assert row["cost_ratio_c"] == 0.25
     google = row["methods"]["google"]
-    assert google["speedup_vs_target"] == 2.0
-    assert google["leviathan_bound"] == expected_speedup(0.75, 4, 0.25)
-    assert google["efficiency"] == 2.0 / expected_speedup(0.75, 4, 0.25)
+    assert google["speedup_vs_target"] == 1.6
+    assert google["acceptance_rate"] == 0.75
+    alpha = fit_alpha(4.0, 4)  # 8 tokens in 2 rounds of 4 proposals
+    assert google["alpha"] == alpha > 0.75
+    assert google["leviathan_bound"] == pytest.approx(expected_speedup(alpha, 4, 0.25))
+    assert google["efficiency"] == pytest.approx(1.6 / expected_speedup(alpha, 4, 0.25))
 
 
 def test_gpu_script_smoke_on_cpu(tmp_path):

@@ -102,6 +102,17 @@ def make_app(pair, **overrides):
     return app
 
 
+@pytest.fixture(scope="module")
+def app(pair):
+    """The service over the test module's own `pair` fixture."""
+    return make_app(pair)
+
+
+@pytest.fixture
+def client(app):
+    return app.test_client()
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     # pytest 9.2 reads a node's id from Node._id, while pytest-xdist 3.8 writes its `--dist loadgroup` tag

@@ -58,16 +58,6 @@ def pair(tiny_pair_dirs, faults):
 
 
 @pytest.fixture(scope="module")
-def app(pair):
-    return make_app(pair)
-
-
-@pytest.fixture
-def client(app):
-    return app.test_client()
-
-
-@pytest.fixture(scope="module")
 def good_answer(app):
     return app.test_client().post("/predict", json=GOOD).get_json()["text"]
 

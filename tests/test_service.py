@@ -32,16 +32,6 @@ def pair(tiny_pair_dirs):
             AutoTokenizer.from_pretrained(target_dir))
 
 
-@pytest.fixture(scope="module")
-def app(pair):
-    return make_app(pair)
-
-
-@pytest.fixture
-def client(app):
-    return app.test_client()
-
-
 @pytest.fixture
 def service(app):
     return app.extensions["specdec"]

@@ -305,12 +305,9 @@ class SpeculativeDecoder:
             draft.rollback(len(req.ids) - 1)
             if adaptive:
                 # the first round's forwards include both prompt prefills: they say nothing about per-token cost
-                timed = req.rounds > 1
-                adaptive.update(k_max, accepted,
-                                req.seconds["draft"] - before[0]["draft"] if timed else 0.0,
-                                req.forwards["draft"] - before[1]["draft"] if timed else 0,
-                                req.seconds["target"] - before[0]["target"] if timed else 0.0,
-                                req.forwards["target"] - before[1]["target"] if timed else 0)
+                spent = {role: (req.seconds[role] - before[0][role], req.forwards[role] - before[1][role])
+                         if req.rounds > 1 else (0.0, 0) for role in ("draft", "target")}
+                adaptive.update(k_max, accepted, *spent["draft"], *spent["target"])
             logger.debug("round %d: gamma=%d accepted=%d committed=%d", req.rounds, k_max, accepted,
                          len(chunk.token_ids))
             if (yield chunk) == "stop":

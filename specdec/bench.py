@@ -21,7 +21,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from .adaptive import expected_speedup, fit_alpha
-from .cpu_linear import pack_linears, unpack_linears
+from .cpu_linear import pack_linears, quantize_linears, unpack_linears
 from .engine import SpeculativeDecoder
 
 OUR_METHODS = ("target", "draft", "google", "deepmind", "adaptive")
@@ -183,7 +183,8 @@ def markdown(report: dict) -> str:
     lines = [f"# specdec benchmark, {report['date']}", "",
              f"Command: `{report['command']}`", "",
              "Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items() if v is not None), "",
-             f"Models: draft `{report['draft']}`, target `{report['target']}`; {report['prompts']} prompts, "
+             f"Models: draft `{report['draft']}` (ours: quantization {report.get('draft_quantization', 'none')}), "
+             f"target `{report['target']}`; {report['prompts']} prompts, "
              f"max_new_tokens {report['max_new_tokens']}, repeats {report['repeats']}, gamma {report['gamma']}.", ""]
     for kernels, block in report.get("verification_cost", {}).items():
         lines.append(f"Target forward over n new tokens ({kernels} kernels, {block['context']} cached): "
@@ -257,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sweep-prompts", type=int, default=4, help="prompts used by the gamma sweep")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--draft-quantization", default="int8", choices=("int8", "none"),
+                        help="our methods' draft, as load_pair gives it (HF baselines always use the stock draft)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results")
     return parser
@@ -271,7 +274,7 @@ def main(argv=None) -> int:
     sweep_gammas = [int(g) for g in args.sweep_gammas.split(",") if g]
     prompts = load_prompts(args.prompts, args.limit)
     draft, target, tokenizer = load_pair(args.draft, args.target, device=args.device, dtype=args.dtype,
-                                         cpu_kernels=False)
+                                         cpu_kernels=False, draft_quantization="none")  # stock, for HF
     encoded = [encode(tokenizer, item) for item in prompts]
     plan = [(mode, method, i, rep, None) for mode in modes for method in methods if method in HF_METHODS
             for i in range(len(prompts)) for rep in range(args.repeats)]
@@ -288,7 +291,9 @@ def main(argv=None) -> int:
         if method in HF_METHODS:
             stats = run_hf(method, draft, target, encoded[i], args.max_new_tokens, MODES[mode], seed)
         else:
-            if not packed:  # HF baselines ran on stock weights; ours use the load_pair default (packed on CPU)
+            if not packed:  # HF baselines ran on stock weights; ours get what load_pair gives by default
+                if args.draft_quantization == "int8":
+                    quantize_linears(draft)  # float32 CPU only, like load_pair; not undone (HF runs came first)
                 if pack_linears(target) + pack_linears(draft):
                     cost["ours"] = verification_cost(target, verify_width)
                 decoder = SpeculativeDecoder(draft, target, tokenizer)
@@ -304,6 +309,7 @@ def main(argv=None) -> int:
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m specdec.bench"] + (argv if argv is not None else sys.argv[1:])),
               "machine": machine_info(), "draft": args.draft or "default", "target": args.target or "default",
+              "draft_quantization": args.draft_quantization,
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "gamma": args.gamma, "verification_cost": cost, "summary": summarise(runs, args.gamma), "runs": runs}
     out = Path(args.out)

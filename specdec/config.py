@@ -37,6 +37,7 @@ class Settings(BaseModel):
     draft_model: str = Field(min_length=1)
     device: str = Field(min_length=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"]
+    draft_quantization: Literal["int8", "none"]
     method: Literal["google", "deepmind", "target"]
     gamma: int | None = Field(ge=1)  # None: adaptive
     max_gamma: int = Field(ge=1, le=MAX_GAMMA)
@@ -63,7 +64,7 @@ class Settings(BaseModel):
             return None
         return value
 
-    @field_validator("log_level", "dtype", mode="before")
+    @field_validator("log_level", "dtype", "draft_quantization", mode="before")
     @classmethod
     def _lower(cls, value):
         return value.strip().lower() if isinstance(value, str) else value

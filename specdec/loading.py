@@ -35,6 +35,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+DRAFT_QUANTIZATIONS = ("int8", "none")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
@@ -209,15 +210,20 @@ def check_tokenizers(draft_tokenizer, target_tokenizer) -> None:
 
 
 def load_pair(draft: str | None = None, target: str | None = None, device: str = "auto", dtype: str = "auto",
-              device_map=None, trust_remote_code: bool = False, cpu_kernels: bool = True):
+              device_map=None, trust_remote_code: bool = False, cpu_kernels: bool = True,
+              draft_quantization: str | None = "int8"):
     """(draft_model, target_model, tokenizer) ready for SpeculativeDecoder; None or "default" is the default pair.
 
     `device_map` (e.g. "auto") spreads the target over several GPUs with accelerate; the draft stays on `device`.
     `cpu_kernels`: pack float32 CPU linear layers once (specdec.cpu_linear), so verifying gamma tokens in one
     target forward costs about what one token does; models elsewhere or in half precision are left as loaded.
+    `draft_quantization`: "int8" (default) quantizes a float32 CPU draft's linear layers to int8, which makes
+    proposing 2.5-3x cheaper; outputs stay exactly the target's, since the rejection rule uses the quantized
+    draft's own probabilities. "none" (or None) keeps the draft as loaded. The target is never quantized.
     """
     from .engine import check_vocabularies
 
+    draft_quantization = resolve_draft_quantization(draft_quantization)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     target_source = resolve_source(target, "target")
@@ -241,9 +247,19 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     if len(tokenizer) > vocab_size:
         raise SpecDecError(f"the tokenizer has {len(tokenizer)} tokens but the models only {vocab_size} logits",
                            field="target_model")
-    if cpu_kernels and dtype == torch.float32:
-        from .cpu_linear import pack_linears
+    from .cpu_linear import pack_linears, quantize_linears
 
+    if draft_quantization == "int8":
+        quantize_linears(draft_model)  # float32 CPU layers only; anything else is left as loaded
+    if cpu_kernels and dtype == torch.float32:
         pack_linears(target_model)
-        pack_linears(draft_model)
+        pack_linears(draft_model)  # whatever the quantization left in float32
     return draft_model, target_model, tokenizer
+
+
+def resolve_draft_quantization(value: str | None) -> str:
+    """"int8" or "none" (None is "none")."""
+    name = "none" if value is None else str(value).strip().lower()
+    if name not in DRAFT_QUANTIZATIONS:
+        raise SpecDecError(f"draft_quantization must be int8 or none, got {value!r}", field="draft_quantization")
+    return name

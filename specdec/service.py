@@ -442,7 +442,7 @@ def _load_pair(settings: Settings):
     from . import load_pair  # the model-loading stack is imported only when a pair is loaded
 
     return load_pair(draft=settings.draft_model, target=settings.target_model, device=settings.device,
-                     dtype=settings.dtype)
+                     dtype=settings.dtype, draft_quantization=settings.draft_quantization)
 
 
 def _ids(value) -> set[int]:

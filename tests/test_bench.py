@@ -37,6 +37,7 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
         assert google["leviathan_bound"] > 0 and google["efficiency"] > 0
         assert block["cost_ratio_c"] > 0
     assert set(report["summary"]["greedy"]["gamma_sweep"]) == {"1", "3"}  # JSON object keys
+    assert report["draft_quantization"] == "int8" and "quantization int8" in table
     # generated tokens only: never more than max_new_tokens per run
     assert all(0 < run["new_tokens"] <= 6 for run in report["runs"])
 

@@ -52,6 +52,12 @@ def test_greedy_speculative_output_is_the_targets_greedy_text(pair_args, capsys)
     assert texts["target"]
 
 
+def test_unquantized_draft_keeps_greedy_equivalence(pair_args, capsys):
+    assert main(pair_args + ["--temperature", "0", "-M", "24", "--draft_quantization", "NONE"]) == 0
+    texts = completions(capsys.readouterr().out)
+    assert texts["google"] == texts["target"] and texts["deepmind"] == texts["target"]
+
+
 def test_verbose_marks_each_token_by_source(pair_args, capsys):
     assert main(pair_args + ["-v", "--method", "google", "-M", "24"]) == 0
     out = capsys.readouterr().out
@@ -95,6 +101,7 @@ def test_benchmark_prints_speedup_over_target(pair_args, capsys):
     (["-M", "0"], "max_tokens"),
     (["--method", "beam"], "method"),
     (["--dtype", "int4"], "dtype"),
+    (["--draft_quantization", "int4"], "draft_quantization"),
     (["--device", "tpu9"], "device"),
 ])
 def test_bad_flags_exit_non_zero_with_one_message(pair_args, capsys, flags, fragment):

@@ -7,7 +7,8 @@ import torch
 
 from conftest import ARCHITECTURES, make_model, perturbed_copy
 from specdec import SpeculativeDecoder
-from specdec.cpu_linear import PackedLinear, pack_linears, packing_supported, unpack_linears
+from specdec.cpu_linear import (PackedLinear, pack_linears, packing_supported, quantization_supported,
+                                 quantize_linears, unpack_linears)
 
 pytestmark = pytest.mark.skipif(not packing_supported(), reason="this torch build has no oneDNN")
 
@@ -45,3 +46,35 @@ def test_greedy_unchanged_and_reversible():
 def test_half_precision_is_left_alone():
     model = make_model("llama").to(torch.bfloat16)
     assert pack_linears(model) == 0
+
+
+def _float_linears(model):
+    return [m for m in model.modules() if type(m) in (torch.nn.Linear, PackedLinear)]
+
+
+@pytest.mark.skipif(not quantization_supported(), reason="this torch build has no int8 engine")
+@pytest.mark.parametrize("packed_first", [False, True])
+def test_int8_draft_is_close_and_keeps_greedy_equivalence(packed_first):
+    target = make_model("qwen2", seed=0, hidden=64, initializer_range=0.1)
+    draft = perturbed_copy(target, noise=0.3)
+    quantized = copy.deepcopy(draft)
+    if packed_first:
+        pack_linears(quantized)
+    assert quantize_linears(quantized) == len(_float_linears(draft)) > 0
+    assert not _float_linears(quantized)
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference, approx = draft(input_ids=ids).logits, quantized(input_ids=ids).logits
+    assert not torch.equal(reference, approx)  # it really is another model
+    assert (reference - approx).abs().max() < 0.1 * reference.abs().max()
+    greedy = SpeculativeDecoder(draft, target).generate([1, 2, 3], max_new_tokens=30, method="target",
+                                                        temperature=0).token_ids
+    for method in ("google", "deepmind"):
+        assert SpeculativeDecoder(quantized, target).generate([1, 2, 3], max_new_tokens=30, method=method,
+                                                              temperature=0, gamma=3).token_ids == greedy
+
+
+def test_int8_leaves_half_precision_alone():
+    model = make_model("llama").to(torch.bfloat16)
+    assert quantize_linears(model) == 0
+    assert len(_float_linears(model)) > 0

@@ -9,6 +9,7 @@ The many-sample tests use TinyCausalLM (a one-layer model on a real DynamicCache
 than a library model); one test repeats the check on a transformers Llama with its own cache.
 """
 
+import copy
 import itertools
 
 import pytest
@@ -19,6 +20,7 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
 
 from conftest import make_model
 from specdec import SpeculativeDecoder
+from specdec.cpu_linear import quantization_supported, quantize_linears
 from tiny_lm import TinyCausalLM
 
 VOCAB = 8
@@ -118,6 +120,18 @@ def test_library_model_samples_follow_target_distribution(llama_pair, method):
     draft, target = llama_pair
     expected = exact_distribution(target, *SETTINGS["t1"])
     counts = draw(SpeculativeDecoder(draft, target), method, SETTINGS["t1"], 5_000, seed=3)
+    assert goodness_of_fit(counts, expected, 5_000) > 1e-3
+
+
+@pytest.mark.statistical
+@pytest.mark.skipif(not quantization_supported(), reason="this torch build has no int8 engine")
+def test_int8_draft_samples_follow_target_distribution(llama_pair):
+    """What load_pair does on CPU by default: the draft's linears in int8. Its own probabilities drive the rule."""
+    draft, target = llama_pair
+    quantized = copy.deepcopy(draft)
+    assert quantize_linears(quantized) > 0
+    expected = exact_distribution(target, *SETTINGS["t1"])
+    counts = draw(SpeculativeDecoder(quantized, target), "google", SETTINGS["t1"], 5_000, seed=5)
     assert goodness_of_fit(counts, expected, 5_000) > 1e-3
 
 

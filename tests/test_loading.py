@@ -118,6 +118,27 @@ def test_load_pair_from_folders(tiny_pair_dirs):
     assert decoder.generate(ids, max_new_tokens=8, method="google", temperature=0).token_ids == greedy
 
 
+def test_load_pair_quantizes_a_cpu_draft_unless_told_not_to(tiny_pair_dirs):
+    from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
+
+    from specdec.cpu_linear import PackedLinear, quantization_supported
+
+    def int8(model):
+        return any(isinstance(m, Int8Linear) for m in model.modules())
+
+    draft, target, _ = load_pair(*tiny_pair_dirs, device="cpu")
+    if quantization_supported():
+        assert int8(draft) and not any(type(m) in (torch.nn.Linear, PackedLinear) for m in draft.modules())
+    assert not int8(target) and any(isinstance(m, PackedLinear) for m in target.modules())  # never quantized
+    draft, _, _ = load_pair(*tiny_pair_dirs, device="cpu", draft_quantization="none")
+    assert not int8(draft) and any(isinstance(m, PackedLinear) for m in draft.modules())
+    draft, _, _ = load_pair(*tiny_pair_dirs, device="cpu", dtype="bfloat16")  # only float32 drafts are quantized
+    assert not int8(draft)
+    with pytest.raises(SpecDecError) as error:
+        load_pair(*tiny_pair_dirs, draft_quantization="int4")
+    assert error.value.field == "draft_quantization" and "int8 or none" in str(error.value)
+
+
 def test_load_pair_in_bfloat16_with_a_device_map_for_the_target(tiny_pair_dirs, monkeypatch):
     from transformers import AutoModelForCausalLM
 

@@ -11,7 +11,7 @@ def test_defaults():
     settings = load_settings(environ={})
     assert (settings.host, settings.port) == ("127.0.0.1", 5000)
     assert settings.target_model == settings.draft_model == "default"
-    assert (settings.device, settings.dtype) == ("auto", "auto")
+    assert (settings.device, settings.dtype, settings.draft_quantization) == ("auto", "auto", "int8")
     assert (settings.method, settings.gamma) == ("google", 4)
     assert (settings.max_new_tokens, settings.max_new_tokens_limit) == (64, 1024)
     assert (settings.temperature, settings.top_p, settings.top_k) == (0.7, 0.9, 0)
@@ -29,12 +29,12 @@ def test_layers_override_in_order(tmp_path):
     file.write_text('port = 6000\nmethod = "deepmind"\ngamma = "adaptive"\ntarget_model = "/models/big"\n')
     environ = {"SPECDEC_CONFIG": str(file), "SPECDEC_PORT": "7000", "SPECDEC_TARGET_MODEL": "/models/env",
                "SPECDEC_DRAFT_MODEL": "/models/small", "SPECDEC_HOST": "0.0.0.0", "SPECDEC_DEVICE": "cuda:1",
-               "SPECDEC_DTYPE": "BFloat16", "SPECDEC_QUEUE_TIMEOUT": "2.5", "SPECDEC_TOP_K": "", "OTHER": "x"}
+               "SPECDEC_DTYPE": "BFloat16", "SPECDEC_DRAFT_QUANTIZATION": "None", "SPECDEC_QUEUE_TIMEOUT": "2.5", "SPECDEC_TOP_K": "", "OTHER": "x"}
     settings = load_settings({"queue_size": 9}, environ=environ)
     assert settings.port == 7000 and settings.host == "0.0.0.0"
     assert settings.method == "deepmind" and settings.gamma is None  # from the file
     assert settings.target_model == "/models/env" and settings.draft_model == "/models/small"
-    assert settings.device == "cuda:1" and settings.dtype == "bfloat16"
+    assert settings.device == "cuda:1" and settings.dtype == "bfloat16" and settings.draft_quantization == "none"
     assert settings.queue_timeout == 2.5 and settings.queue_size == 9
     assert settings.top_k == 0  # an empty variable counts as unset
 
@@ -50,6 +50,7 @@ def test_loader_may_be_an_import_path():
     ({"SPECDEC_PORT": "http"}, {}, ["port = 'http'", "from SPECDEC_PORT", "integer"]),
     ({"SPECDEC_PORT": "70000"}, {}, ["port = '70000'", "65535"]),
     ({"SPECDEC_DTYPE": "int8"}, {}, ["dtype", "SPECDEC_DTYPE", "bfloat16"]),
+    ({"SPECDEC_DRAFT_QUANTIZATION": "int4"}, {}, ["draft_quantization", "SPECDEC_DRAFT_QUANTIZATION", "int8"]),
     ({"SPECDEC_METHOD": "draft"}, {}, ["method", "google"]),
     ({"SPECDEC_TEMPERATURE": "nan"}, {}, ["temperature", "finite"]),
     ({"SPECDEC_QUEUE_SIZE": "-1"}, {}, ["queue_size", "greater than or equal to 0"]),

@@ -5,7 +5,7 @@ import torch
 from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
                                                      TopPLogitsWarper)
 
-from specdec.sampling import logits_to_probs, sample, warp_logits
+from specdec.sampling import logits_to_probs, sample, top_p_removed, warp_logits
 
 
 def hf_probs(logits, temperature, top_k, top_p):
@@ -25,6 +25,16 @@ def test_warpers_match_transformers(temperature, top_k, top_p):
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0)) * 3
     ours = logits_to_probs(logits, temperature, top_k, top_p)
     torch.testing.assert_close(ours, hf_probs(logits, temperature, top_k, top_p))
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])  # flat (full sort) to peaked (candidates suffice)
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_shortcut_removes_exactly_what_the_full_sort_does(scale, top_p):
+    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(1)) * scale
+    full = top_p_removed(logits, top_p, candidates=10**9)
+    for candidates in (1, 16, 256):
+        assert torch.equal(top_p_removed(logits, top_p, candidates=candidates), full)
+    torch.testing.assert_close(logits_to_probs(logits, 1.0, 0, top_p), hf_probs(logits, 1.0, 0, top_p))
 
 
 def test_top_k_keeps_ties():

@@ -7,6 +7,10 @@ With acceptance rate alpha and draft/target cost ratio c, one round of gamma pro
 alpha is the probability that a single proposal is accepted. The acceptance *rate* (accepted / proposed)
 understates it, because proposals after the first rejection are discarded unexamined; so alpha is fitted to the
 tokens committed per round instead (the alpha for which the model predicts the observed mean).
+
+The paper assumes a target forward costs the same whatever its width; on CPUs it grows past a few rows. When
+rounds report their verification width, the target's cost is tracked per width and a width not yet seen is
+extrapolated linearly from those that were, so a gamma whose wider forward turned out expensive is dropped.
 """
 
 import math
@@ -57,6 +61,7 @@ class AdaptiveGamma:
         self.draft_forwards = 0
         self.target_seconds = 0.0
         self.target_forwards = 0
+        self.target_by_width: dict[int, list] = {}  # width -> [seconds, forwards]
 
     @property
     def alpha(self) -> float:
@@ -74,9 +79,32 @@ class AdaptiveGamma:
             return None
         return (self.draft_seconds / self.draft_forwards) / (self.target_seconds / self.target_forwards)
 
+    def target_cost(self, width: int) -> float | None:
+        """Seconds of one target forward over `width` tokens: measured; between measured widths, interpolated;
+        beyond the widest, extrapolated along the least-squares slope (never downwards); below the narrowest, the
+        narrowest's cost (narrower forwards are not assumed cheaper). None until a width was measured."""
+        means = {w: s / n for w, (s, n) in self.target_by_width.items() if n}
+        if not means:
+            return None
+        widths = sorted(means)
+        if width in means:
+            return means[width]
+        if width < widths[0]:
+            return means[widths[0]]
+        if width < widths[-1]:
+            low = max(w for w in widths if w < width)
+            high = min(w for w in widths if w > width)
+            return means[low] + (means[high] - means[low]) * (width - low) / (high - low)
+        if len(widths) == 1:
+            return means[widths[0]]
+        mean_w, mean_t = sum(widths) / len(widths), sum(means.values()) / len(means)
+        slope = (sum((w - mean_w) * (means[w] - mean_t) for w in widths)
+                 / sum((w - mean_w) ** 2 for w in widths))
+        return means[widths[-1]] + max(slope, 0.0) * (width - widths[-1])
+
     def update(self, proposed: int, accepted: int, draft_seconds: float, draft_forwards: int,
-               target_seconds: float, target_forwards: int) -> None:
-        """Record one round (it committed accepted + 1 tokens)."""
+               target_seconds: float, target_forwards: int, width: int | None = None) -> None:
+        """Record one round (it committed accepted + 1 tokens); `width`: tokens in its target forward."""
         self.proposed += proposed
         self.accepted += accepted
         self.rounds += 1
@@ -85,10 +113,21 @@ class AdaptiveGamma:
         self.draft_forwards += draft_forwards
         self.target_seconds += target_seconds
         self.target_forwards += target_forwards
+        if width is not None and target_forwards:
+            seconds, forwards = self.target_by_width.setdefault(width, [0.0, 0])
+            self.target_by_width[width] = [seconds + target_seconds, forwards + target_forwards]
 
     def choose(self) -> int:
         """The next round's gamma."""
         c = self.cost_ratio
         if c is None or not math.isfinite(c):
             return min(self.initial, self.max_gamma)
-        return best_gamma(min(self.alpha, 0.999), c, self.max_gamma)
+        alpha = min(self.alpha, 0.999)
+        if not self.target_by_width:
+            return best_gamma(alpha, c, self.max_gamma)
+        draft = self.draft_seconds / self.draft_forwards
+
+        def tokens_per_second(gamma: int) -> float:
+            return expected_tokens(alpha, gamma) / (gamma * draft + self.target_cost(gamma + 1))
+
+        return max(range(1, self.max_gamma + 1), key=lambda g: (tokens_per_second(g), -g))

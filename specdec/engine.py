@@ -307,7 +307,7 @@ class SpeculativeDecoder:
                 # the first round's forwards include both prompt prefills: they say nothing about per-token cost
                 spent = {role: (req.seconds[role] - before[0][role], req.forwards[role] - before[1][role])
                          if req.rounds > 1 else (0.0, 0) for role in ("draft", "target")}
-                adaptive.update(k_max, accepted, *spent["draft"], *spent["target"])
+                adaptive.update(k_max, accepted, *spent["draft"], *spent["target"], width=k_max + 1)
             logger.debug("round %d: gamma=%d accepted=%d committed=%d", req.rounds, k_max, accepted,
                          len(chunk.token_ids))
             if (yield chunk) == "stop":

@@ -53,3 +53,32 @@ def test_alpha_estimate_recovers_per_proposal_acceptance():
         policy.update(4, accepted, 0.1, 4, 1.0, 1)
     assert policy.accepted / policy.proposed < 0.75
     assert policy.alpha == pytest.approx(0.85, abs=0.01)
+
+
+def test_a_wider_forward_that_costs_more_is_dropped():
+    """The paper's model assumes any width costs the same; measured per-width costs overrule it."""
+    def target_seconds(width):  # cheap up to 5 rows, then steep, as on our CPUs
+        return 1.0 if width <= 5 else 1.0 + 0.6 * (width - 5)
+
+    policy = AdaptiveGamma(initial=4, max_gamma=8)
+    flat = AdaptiveGamma(initial=4, max_gamma=8)
+    for _ in range(30):
+        for p in (policy, flat):
+            gamma = p.choose()
+            p.update(gamma, gamma, 0.05 * gamma, gamma, target_seconds(gamma + 1), 1,
+                     width=gamma + 1 if p is policy else None)
+    assert flat.choose() == 8  # all accepted and cheap drafts: the width-blind model goes to the bound
+    assert policy.choose() == 4  # width 5 is the last cheap one
+    assert policy.target_cost(5) == 1.0 and policy.target_cost(7) >= policy.target_cost(6) > 1.0
+
+
+def test_target_cost_extrapolates_from_measured_widths():
+    policy = AdaptiveGamma()
+    assert policy.target_cost(3) is None
+    policy.update(2, 2, 0.1, 2, 1.0, 1, width=3)
+    assert policy.target_cost(7) == 1.0  # one width seen: assume the same
+    policy.update(4, 4, 0.1, 4, 2.0, 1, width=5)
+    assert policy.target_cost(7) == pytest.approx(3.0)
+    assert policy.target_cost(4) == pytest.approx(1.5)
+    assert policy.target_cost(5) == 2.0
+    assert policy.target_cost(2) == 1.0  # narrower than measured: not assumed cheaper

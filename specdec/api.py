@@ -5,6 +5,7 @@ error handler turns into `{"error": {"type", "message", "field"}}`.
 """
 
 import json
+import re
 import sys
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -18,6 +19,12 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 INT_DIGITS = sys.get_int_max_str_digits() or 4300  # Python refuses to parse longer integer literals
 
+
+# Whitespace as both Python's str.isspace and JSON Schema's (ECMA-262) \s understand it, so the OpenAPI pattern
+# and this check accept exactly the same prompts (they differ on \x1c-\x1f, \x85 and \ufeff).
+WHITESPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff"
+NOT_BLANK_PATTERN = f"[^{WHITESPACE}]"
+NOT_BLANK = re.compile(NOT_BLANK_PATTERN)
 
 class ApiError(Exception):
     """An error answer: HTTP status, a stable `type`, a human message, the offending field (if any)."""
@@ -55,7 +62,7 @@ class PredictRequest(BaseModel):
     @field_validator("prompt")
     @classmethod
     def _not_blank(cls, value: str) -> str:
-        if not value.strip():
+        if not NOT_BLANK.search(value):
             raise ValueError("the prompt must contain more than whitespace")
         return value
 

@@ -4,7 +4,7 @@ Written by hand to say exactly what api.py accepts (strict types, no unknown fie
 filled with this server's limits, so a client generator or a fuzzer (schemathesis) sees the real bounds.
 """
 
-from .api import MAX_STOP_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE
+from .api import MAX_STOP_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE, NOT_BLANK_PATTERN
 from .config import Settings
 
 ERROR_TYPES = ["invalid_json", "not_found", "method_not_allowed", "body_too_large", "unsupported_media_type",
@@ -22,7 +22,7 @@ def _request_schema(s: Settings) -> dict:
         "additionalProperties": False,
         "required": ["prompt"],
         "properties": {
-            "prompt": {"type": "string", "minLength": 1, "pattern": r"\S",
+            "prompt": {"type": "string", "minLength": 1, "pattern": NOT_BLANK_PATTERN,
                        "description": f"the text to complete; at most {s.max_prompt_tokens} tokens, and prompt "
                                       f"plus max_new_tokens must fit the model context"},
             "max_new_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": s.max_new_tokens_limit},

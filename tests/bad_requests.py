@@ -70,6 +70,8 @@ CORPUS = [
     invalid("prompt", "prompt an object", raw('{"prompt": {"text": "Who is"}}')),
     invalid("prompt", "prompt empty", raw('{"prompt": ""}')),
     invalid("prompt", "prompt whitespace only", raw('{"prompt": " \\n\\t \\u3000"}')),
+    invalid("prompt", "prompt of separators Python calls whitespace", raw('{"prompt": "\\u001d\\u001c\\u0085"}')),
+    invalid("prompt", "prompt of separators JSON Schema calls whitespace", raw('{"prompt": "\\ufeff\\u2029"}')),
     invalid("prompt", "prompt with a lone surrogate", raw('{"prompt": "Who \\ud800 is"}')),
     invalid("prompt", "prompt over max_prompt_tokens", fields(prompt="a" * 5000), "prompt_too_long"),
     invalid("prompt", "prompt plus max_new_tokens over the context", fields(prompt="a" * 200, max_new_tokens=100),

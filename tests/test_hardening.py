@@ -86,7 +86,24 @@ def test_bad_request_gets_its_4xx_and_the_next_request_is_answered(client, good_
 
 def test_a_whitespace_prompt_is_refused_but_surrounding_whitespace_is_kept(client):
     assert client.post("/predict", json={"prompt": "\t \n"}).status_code == 422
+    assert client.post("/predict", json={"prompt": "\x1d\x1d"}).status_code == 422  # str.isspace: blank
     assert client.post("/predict", json={"prompt": "  x  ", "max_new_tokens": 2}).status_code == 200
+
+
+def test_prompt_blankness_is_the_openapi_patterns():
+    """The schema's pattern (ECMA-262 regex) and the server's check must agree on every whitespace character,
+    or a schema-valid prompt is refused (schemathesis found "\x1d\x1d")."""
+    import re as regex
+
+    from specdec.api import NOT_BLANK, NOT_BLANK_PATTERN
+
+    ecma_whitespace = "\t\n\x0b\x0c\r \xa0\u1680\u2028\u2029\u202f\u205f\u3000\ufeff" + "".join(
+        chr(c) for c in range(0x2000, 0x200b))
+    python_whitespace = "".join(chr(c) for c in range(0x110000) if chr(c).isspace())
+    for char in ecma_whitespace + python_whitespace:
+        assert not NOT_BLANK.search(char), hex(ord(char))
+    for char in "a0_\u200b\x00\x7f":
+        assert regex.fullmatch(NOT_BLANK_PATTERN, char), hex(ord(char))
 
 
 @pytest.mark.parametrize("sent, kept", [("abc-123", True), ("x" * 65, False), ("two words", False),

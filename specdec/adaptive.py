@@ -11,6 +11,8 @@ tokens committed per round instead (the alpha for which the model predicts the o
 The paper assumes a target forward costs the same whatever its width; on CPUs it grows past a few rows. When
 rounds report their verification width, the target's cost is tracked per width and a width not yet seen is
 extrapolated linearly from those that were, so a gamma whose wider forward turned out expensive is dropped.
+Costs belong to the models and the machine, so a decoder keeps them across requests (CostProfile); alpha
+belongs to the prompt, so each request estimates its own.
 """
 
 import math
@@ -45,45 +47,46 @@ def best_gamma(alpha: float, c: float, max_gamma: int) -> int:
     return max(range(1, max_gamma + 1), key=lambda g: (expected_speedup(alpha, g, c), -g))
 
 
-class AdaptiveGamma:
-    """Per-request estimate of alpha and c; `choose()` gives the next round's gamma."""
+class CostProfile:
+    """Measured seconds per draft forward and per target forward by width: a property of the models and the
+    machine, not of a request, so a decoder keeps one across requests and each request starts from it.
 
-    def __init__(self, initial: int = 4, max_gamma: int = 8, prior_alpha: float = 0.7, prior_weight: float = 4.0):
-        self.initial = initial
-        self.max_gamma = max_gamma
-        self.prior_alpha = prior_alpha
-        self.prior_weight = prior_weight
-        self.proposed = 0
-        self.accepted = 0
-        self.rounds = 0
-        self.committed = 0
-        self.draft_seconds = 0.0
-        self.draft_forwards = 0
-        self.target_seconds = 0.0
-        self.target_forwards = 0
-        self.target_by_width: dict[int, list] = {}  # width -> [seconds, forwards]
+    Each figure is a running mean whose weight never falls below `floor`, so it follows a machine whose speed
+    drifts (a shared CPU) instead of freezing on its first hours.
+    """
 
-    @property
-    def alpha(self) -> float:
-        """Acceptance fitted to the committed tokens per round, shrunk towards the prior over the first rounds."""
-        if not self.rounds:
-            return self.prior_alpha
-        fitted = fit_alpha(self.committed / self.rounds, self.proposed / self.rounds)
-        weight = self.proposed / (self.proposed + self.prior_weight)
-        return weight * fitted + (1 - weight) * self.prior_alpha
+    def __init__(self, floor: float = 0.05):
+        self.floor = floor
+        self.draft = [0.0, 0]  # mean seconds per forward, forwards seen
+        self.target = [0.0, 0]  # over every width
+        self.target_by_width: dict[int, list] = {}
+
+    def _add(self, entry: list, seconds: float, forwards: int) -> None:
+        if forwards <= 0:
+            return
+        entry[1] += forwards
+        weight = max(forwards / entry[1], self.floor)
+        entry[0] += weight * (seconds / forwards - entry[0])
+
+    def record(self, draft_seconds: float, draft_forwards: int, target_seconds: float, target_forwards: int,
+               width: int | None = None) -> None:
+        self._add(self.draft, draft_seconds, draft_forwards)
+        self._add(self.target, target_seconds, target_forwards)
+        if width is not None and target_forwards:
+            self._add(self.target_by_width.setdefault(width, [0.0, 0]), target_seconds, target_forwards)
 
     @property
     def cost_ratio(self) -> float | None:
-        """Measured draft forward time / target forward time, None until both were seen."""
-        if not self.draft_forwards or not self.target_forwards or self.target_seconds <= 0:
+        """Draft forward time / target forward time, None until both were seen."""
+        if not self.draft[1] or not self.target[1] or self.target[0] <= 0:
             return None
-        return (self.draft_seconds / self.draft_forwards) / (self.target_seconds / self.target_forwards)
+        return self.draft[0] / self.target[0]
 
     def target_cost(self, width: int) -> float | None:
         """Seconds of one target forward over `width` tokens: measured; between measured widths, interpolated;
         beyond the widest, extrapolated along the least-squares slope (never downwards); below the narrowest, the
         narrowest's cost (narrower forwards are not assumed cheaper). None until a width was measured."""
-        means = {w: s / n for w, (s, n) in self.target_by_width.items() if n}
+        means = {w: mean for w, (mean, n) in self.target_by_width.items() if n}
         if not means:
             return None
         widths = sorted(means)
@@ -102,6 +105,40 @@ class AdaptiveGamma:
                  / sum((w - mean_w) ** 2 for w in widths))
         return means[widths[-1]] + max(slope, 0.0) * (width - widths[-1])
 
+
+class AdaptiveGamma:
+    """Per-request estimate of alpha, with costs from a CostProfile (shared when given); `choose()` gives the next
+    round's gamma."""
+
+    def __init__(self, initial: int = 4, max_gamma: int = 8, prior_alpha: float = 0.7, prior_weight: float = 4.0,
+                 costs: CostProfile | None = None):
+        self.initial = initial
+        self.max_gamma = max_gamma
+        self.prior_alpha = prior_alpha
+        self.prior_weight = prior_weight
+        self.costs = costs if costs is not None else CostProfile()
+        self.proposed = 0
+        self.accepted = 0
+        self.rounds = 0
+        self.committed = 0
+
+    @property
+    def alpha(self) -> float:
+        """Acceptance fitted to the committed tokens per round, shrunk towards the prior over the first rounds."""
+        if not self.rounds:
+            return self.prior_alpha
+        fitted = fit_alpha(self.committed / self.rounds, self.proposed / self.rounds)
+        weight = self.proposed / (self.proposed + self.prior_weight)
+        return weight * fitted + (1 - weight) * self.prior_alpha
+
+    @property
+    def cost_ratio(self) -> float | None:
+        """Measured draft forward time / target forward time, None until both were seen."""
+        return self.costs.cost_ratio
+
+    def target_cost(self, width: int) -> float | None:
+        return self.costs.target_cost(width)
+
     def update(self, proposed: int, accepted: int, draft_seconds: float, draft_forwards: int,
                target_seconds: float, target_forwards: int, width: int | None = None) -> None:
         """Record one round (it committed accepted + 1 tokens); `width`: tokens in its target forward."""
@@ -109,13 +146,7 @@ class AdaptiveGamma:
         self.accepted += accepted
         self.rounds += 1
         self.committed += accepted + 1
-        self.draft_seconds += draft_seconds
-        self.draft_forwards += draft_forwards
-        self.target_seconds += target_seconds
-        self.target_forwards += target_forwards
-        if width is not None and target_forwards:
-            seconds, forwards = self.target_by_width.setdefault(width, [0.0, 0])
-            self.target_by_width[width] = [seconds + target_seconds, forwards + target_forwards]
+        self.costs.record(draft_seconds, draft_forwards, target_seconds, target_forwards, width)
 
     def choose(self) -> int:
         """The next round's gamma."""
@@ -123,9 +154,9 @@ class AdaptiveGamma:
         if c is None or not math.isfinite(c):
             return min(self.initial, self.max_gamma)
         alpha = min(self.alpha, 0.999)
-        if not self.target_by_width:
+        if not self.costs.target_by_width:
             return best_gamma(alpha, c, self.max_gamma)
-        draft = self.draft_seconds / self.draft_forwards
+        draft = self.costs.draft[0]
 
         def tokens_per_second(gamma: int) -> float:
             return expected_tokens(alpha, gamma) / (gamma * draft + self.target_cost(gamma + 1))

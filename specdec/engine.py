@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .adaptive import AdaptiveGamma
+from .adaptive import AdaptiveGamma, CostProfile
 from .errors import SpecDecError
 from .kv_cache import CachedModel, context_length
 from .sampling import logits_to_probs, sample
@@ -185,6 +185,8 @@ class SpeculativeDecoder:
         self.vocab_size = check_vocabularies(draft_model, target_model, tokenizer)
         limits = [n for n in (context_length(draft_model), context_length(target_model)) if n]
         self.context_length = min(limits) if limits else None
+        # measured forward costs of this pair on this machine, kept across requests for adaptive gamma
+        self.cost_profile = CostProfile()
 
     def generate(self, input_ids, max_new_tokens: int = 64, method: str = "google", gamma: int | None = 4,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -266,7 +268,7 @@ class SpeculativeDecoder:
     def _speculate(self, req: _Request, probs: "_Warper", variant: str, gamma: int | None) -> Iterator[Chunk]:
         """Google (Leviathan et al. Alg. 1) or DeepMind (Chen et al. Alg. 2) speculative sampling."""
         draft, target = CachedModel(self.draft_model), CachedModel(self.target_model)
-        adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA) if gamma is None else None
+        adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile) if gamma is None else None
         while req.finish_reason is None:
             wanted = adaptive.choose() if adaptive else gamma
             k_max = min(wanted, req.budget() - 1)  # never propose past max_new_tokens or the context
@@ -303,11 +305,14 @@ class SpeculativeDecoder:
             # 4. both caches roll back to the committed prefix; the newest token is fed next round
             target.rollback(len(req.ids) - 1)
             draft.rollback(len(req.ids) - 1)
+            # every round's costs feed the decoder's profile (fixed gamma too), except the first: its forwards
+            # include both prompt prefills and say nothing about per-token cost
+            spent = {role: (req.seconds[role] - before[0][role], req.forwards[role] - before[1][role])
+                     if req.rounds > 1 else (0.0, 0) for role in ("draft", "target")}
             if adaptive:
-                # the first round's forwards include both prompt prefills: they say nothing about per-token cost
-                spent = {role: (req.seconds[role] - before[0][role], req.forwards[role] - before[1][role])
-                         if req.rounds > 1 else (0.0, 0) for role in ("draft", "target")}
                 adaptive.update(k_max, accepted, *spent["draft"], *spent["target"], width=k_max + 1)
+            else:
+                self.cost_profile.record(*spent["draft"], *spent["target"], width=k_max + 1)
             logger.debug("round %d: gamma=%d accepted=%d committed=%d", req.rounds, k_max, accepted,
                          len(chunk.token_ids))
             if (yield chunk) == "stop":

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from specdec.adaptive import AdaptiveGamma, best_gamma, expected_speedup, expected_tokens, fit_alpha
+from specdec.adaptive import AdaptiveGamma, CostProfile, best_gamma, expected_speedup, expected_tokens, fit_alpha
 
 
 def test_expected_tokens():
@@ -82,3 +82,26 @@ def test_target_cost_extrapolates_from_measured_widths():
     assert policy.target_cost(4) == pytest.approx(1.5)
     assert policy.target_cost(5) == 2.0
     assert policy.target_cost(2) == 1.0  # narrower than measured: not assumed cheaper
+
+
+def test_costs_carry_over_between_requests_that_share_a_profile():
+    profile = CostProfile()
+    first = AdaptiveGamma(initial=4, max_gamma=8, costs=profile)
+    assert first.choose() == 4  # nothing measured yet
+    for width, seconds in ((3, 1.0), (9, 3.0)):
+        first.update(width - 1, width - 1, 0.01 * (width - 1), width - 1, seconds, 1, width=width)
+    second = AdaptiveGamma(initial=4, max_gamma=8, costs=profile)
+    assert second.rounds == 0 and second.target_cost(9) == 3.0
+    # a fresh request already knows that forwards wider than 3 cost more: gamma 2, not the initial 4
+    assert second.choose() == 2
+    assert AdaptiveGamma(initial=4, max_gamma=8).choose() == 4  # a request without the profile starts blind
+
+
+def test_profile_follows_a_drifting_machine():
+    profile = CostProfile(floor=0.05)
+    for _ in range(1000):
+        profile.record(0.1, 1, 1.0, 1, width=5)
+    for _ in range(200):
+        profile.record(0.2, 1, 2.0, 1, width=5)
+    assert profile.target_cost(5) == pytest.approx(2.0, rel=0.01)  # not stuck near the old 1.0
+    assert profile.cost_ratio == pytest.approx(0.1, rel=0.01)

@@ -234,3 +234,17 @@ def test_padded_target_vocabulary_with_tokenizer():
     assert max(result.token_ids) < 100
     with pytest.raises(SpecDecError):
         SpeculativeDecoder(make_model("llama", vocab_size=64), target, tokenizer)
+
+
+def test_speculative_rounds_feed_the_decoders_cost_profile(pair):
+    decoder = SpeculativeDecoder(*pair)
+    assert decoder.cost_profile.cost_ratio is None
+    result = decoder.generate(PROMPT, max_new_tokens=20, method="google", gamma=3, temperature=0)
+    assert result.stats["rounds"] > 1
+    profile = decoder.cost_profile
+    # every round but the first (its forwards include the prefills), by verification width: gamma + 1 = 4
+    assert profile.cost_ratio > 0 and 4 in profile.target_by_width
+    assert sum(n for _, n in profile.target_by_width.values()) == result.stats["rounds"] - 1
+    adaptive = decoder.generate(PROMPT, max_new_tokens=20, method="deepmind", gamma=None, temperature=0)
+    assert adaptive.token_ids == result.token_ids  # greedy: the same output whatever gamma adaptive picks
+    assert sum(n for _, n in profile.target_by_width.values()) > result.stats["rounds"] - 1

@@ -30,23 +30,21 @@ def top_p_removed(scores: torch.Tensor, top_p: float, candidates: int = TOP_P_CA
     likely tokens: when the mass outside them is already <= 1 - top_p, every outside token is removed whatever
     its rank, and the candidates' cumulative sums only need that mass added. Otherwise: the full sort.
     """
-    vocab = scores.size(-1)
-    if candidates < vocab:
+    cumulative = None
+    if candidates < scores.size(-1):
         log_total = scores.logsumexp(dim=-1, keepdim=True)
         top_scores, top_idx = torch.topk(scores, candidates, dim=-1, largest=True, sorted=True)
         outside = 1.0 - (top_scores.logsumexp(dim=-1, keepdim=True) - log_total).exp()
         if bool((outside <= 1 - top_p).all()):
-            ascending, ascending_idx = top_scores.flip(-1), top_idx.flip(-1)
-            cumulative = outside + (ascending - log_total).exp().cumsum(dim=-1)
-            remove_sorted = cumulative <= (1 - top_p)
-            remove_sorted[..., -1:] = False
-            remove = torch.ones_like(scores, dtype=torch.bool)
-            return remove.scatter_(-1, ascending_idx, remove_sorted)
-    sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)
-    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+            ascending_idx = top_idx.flip(-1)
+            cumulative = outside + (top_scores.flip(-1) - log_total).exp().cumsum(dim=-1)
+    if cumulative is None:
+        sorted_scores, ascending_idx = torch.sort(scores, dim=-1, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
     remove_sorted = cumulative <= (1 - top_p)
     remove_sorted[..., -1:] = False  # always keep the most likely token
-    return remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+    # tokens left out of ascending_idx (outside the candidates) stay removed
+    return torch.ones_like(scores, dtype=torch.bool).scatter_(-1, ascending_idx, remove_sorted)
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

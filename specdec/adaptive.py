@@ -131,26 +131,16 @@ class AdaptiveGamma:
         weight = self.proposed / (self.proposed + self.prior_weight)
         return weight * fitted + (1 - weight) * self.prior_alpha
 
-    @property
-    def cost_ratio(self) -> float | None:
-        """Measured draft forward time / target forward time, None until both were seen."""
-        return self.costs.cost_ratio
-
-    def target_cost(self, width: int) -> float | None:
-        return self.costs.target_cost(width)
-
-    def update(self, proposed: int, accepted: int, draft_seconds: float, draft_forwards: int,
-               target_seconds: float, target_forwards: int, width: int | None = None) -> None:
-        """Record one round (it committed accepted + 1 tokens); `width`: tokens in its target forward."""
+    def update(self, proposed: int, accepted: int) -> None:
+        """Record one round (it committed accepted + 1 tokens); its costs go to the CostProfile, by its owner."""
         self.proposed += proposed
         self.accepted += accepted
         self.rounds += 1
         self.committed += accepted + 1
-        self.costs.record(draft_seconds, draft_forwards, target_seconds, target_forwards, width)
 
     def choose(self) -> int:
         """The next round's gamma."""
-        c = self.cost_ratio
+        c = self.costs.cost_ratio
         if c is None or not math.isfinite(c):
             return min(self.initial, self.max_gamma)
         alpha = min(self.alpha, 0.999)
@@ -159,6 +149,6 @@ class AdaptiveGamma:
         draft = self.costs.draft[0]
 
         def tokens_per_second(gamma: int) -> float:
-            return expected_tokens(alpha, gamma) / (gamma * draft + self.target_cost(gamma + 1))
+            return expected_tokens(alpha, gamma) / (gamma * draft + self.costs.target_cost(gamma + 1))
 
         return max(range(1, self.max_gamma + 1), key=lambda g: (tokens_per_second(g), -g))

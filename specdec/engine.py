@@ -309,10 +309,9 @@ class SpeculativeDecoder:
             # include both prompt prefills and say nothing about per-token cost
             spent = {role: (req.seconds[role] - before[0][role], req.forwards[role] - before[1][role])
                      if req.rounds > 1 else (0.0, 0) for role in ("draft", "target")}
+            self.cost_profile.record(*spent["draft"], *spent["target"], width=k_max + 1)
             if adaptive:
-                adaptive.update(k_max, accepted, *spent["draft"], *spent["target"], width=k_max + 1)
-            else:
-                self.cost_profile.record(*spent["draft"], *spent["target"], width=k_max + 1)
+                adaptive.update(k_max, accepted)
             logger.debug("round %d: gamma=%d accepted=%d committed=%d", req.rounds, k_max, accepted,
                          len(chunk.token_ids))
             if (yield chunk) == "stop":

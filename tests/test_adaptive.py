@@ -27,12 +27,12 @@ def test_best_gamma_grows_with_acceptance_and_shrinks_with_cost():
 def test_adaptive_stays_in_bounds():
     policy = AdaptiveGamma(initial=4, max_gamma=6)
     assert policy.choose() == 4  # no cost measured yet
-    policy.update(proposed=40, accepted=39, draft_seconds=0.1, draft_forwards=40, target_seconds=10.0,
-                  target_forwards=10)
+    policy.update(proposed=40, accepted=39)
+    policy.costs.record(draft_seconds=0.1, draft_forwards=40, target_seconds=10.0, target_forwards=10)
     assert policy.choose() == 6
     for _ in range(100):
-        policy.update(proposed=4, accepted=0, draft_seconds=0.5, draft_forwards=4, target_seconds=0.1,
-                      target_forwards=1)
+        policy.update(proposed=4, accepted=0)
+        policy.costs.record(draft_seconds=0.5, draft_forwards=4, target_seconds=0.1, target_forwards=1)
     assert policy.choose() == 1
 
 
@@ -50,7 +50,7 @@ def test_alpha_estimate_recovers_per_proposal_acceptance():
         accepted = 0
         while accepted < 4 and rng.random() < 0.85:
             accepted += 1
-        policy.update(4, accepted, 0.1, 4, 1.0, 1)
+        policy.update(4, accepted)
     assert policy.accepted / policy.proposed < 0.75
     assert policy.alpha == pytest.approx(0.85, abs=0.01)
 
@@ -65,23 +65,25 @@ def test_a_wider_forward_that_costs_more_is_dropped():
     for _ in range(30):
         for p in (policy, flat):
             gamma = p.choose()
-            p.update(gamma, gamma, 0.05 * gamma, gamma, target_seconds(gamma + 1), 1,
-                     width=gamma + 1 if p is policy else None)
+            p.update(gamma, gamma)
+            p.costs.record(0.05 * gamma, gamma, target_seconds(gamma + 1), 1,
+                           width=gamma + 1 if p is policy else None)
     assert flat.choose() == 8  # all accepted and cheap drafts: the width-blind model goes to the bound
     assert policy.choose() == 4  # width 5 is the last cheap one
-    assert policy.target_cost(5) == 1.0 and policy.target_cost(7) >= policy.target_cost(6) > 1.0
+    costs = policy.costs
+    assert costs.target_cost(5) == 1.0 and costs.target_cost(7) >= costs.target_cost(6) > 1.0
 
 
 def test_target_cost_extrapolates_from_measured_widths():
-    policy = AdaptiveGamma()
-    assert policy.target_cost(3) is None
-    policy.update(2, 2, 0.1, 2, 1.0, 1, width=3)
-    assert policy.target_cost(7) == 1.0  # one width seen: assume the same
-    policy.update(4, 4, 0.1, 4, 2.0, 1, width=5)
-    assert policy.target_cost(7) == pytest.approx(3.0)
-    assert policy.target_cost(4) == pytest.approx(1.5)
-    assert policy.target_cost(5) == 2.0
-    assert policy.target_cost(2) == 1.0  # narrower than measured: not assumed cheaper
+    profile = CostProfile()
+    assert profile.target_cost(3) is None
+    profile.record(0.1, 2, 1.0, 1, width=3)
+    assert profile.target_cost(7) == 1.0  # one width seen: assume the same
+    profile.record(0.1, 4, 2.0, 1, width=5)
+    assert profile.target_cost(7) == pytest.approx(3.0)
+    assert profile.target_cost(4) == pytest.approx(1.5)
+    assert profile.target_cost(5) == 2.0
+    assert profile.target_cost(2) == 1.0  # narrower than measured: not assumed cheaper
 
 
 def test_costs_carry_over_between_requests_that_share_a_profile():
@@ -89,9 +91,10 @@ def test_costs_carry_over_between_requests_that_share_a_profile():
     first = AdaptiveGamma(initial=4, max_gamma=8, costs=profile)
     assert first.choose() == 4  # nothing measured yet
     for width, seconds in ((3, 1.0), (9, 3.0)):
-        first.update(width - 1, width - 1, 0.01 * (width - 1), width - 1, seconds, 1, width=width)
+        first.update(width - 1, width - 1)
+        profile.record(0.01 * (width - 1), width - 1, seconds, 1, width=width)
     second = AdaptiveGamma(initial=4, max_gamma=8, costs=profile)
-    assert second.rounds == 0 and second.target_cost(9) == 3.0
+    assert second.rounds == 0 and second.costs.target_cost(9) == 3.0
     # a fresh request already knows that forwards wider than 3 cost more: gamma 2, not the initial 4
     assert second.choose() == 2
     assert AdaptiveGamma(initial=4, max_gamma=8).choose() == 4  # a request without the profile starts blind

@@ -26,6 +26,7 @@ WHITESPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u
 NOT_BLANK_PATTERN = f"[^{WHITESPACE}]"
 NOT_BLANK = re.compile(NOT_BLANK_PATTERN)
 
+
 class ApiError(Exception):
     """An error answer: HTTP status, a stable `type`, a human message, the offending field (if any)."""
 

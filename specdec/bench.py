@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from .adaptive import expected_speedup, fit_alpha
 from .cpu_linear import pack_linears, quantize_linears, unpack_linears
 from .engine import SpeculativeDecoder
+from .loading import DRAFT_QUANTIZATIONS, load_pair
 
 OUR_METHODS = ("target", "draft", "google", "deepmind", "adaptive")
 HF_METHODS = ("hf_target", "hf_assisted")
@@ -258,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sweep-prompts", type=int, default=4, help="prompts used by the gamma sweep")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--draft-quantization", default="int8", choices=("int8", "none"),
+    parser.add_argument("--draft-quantization", default="int8", choices=DRAFT_QUANTIZATIONS,
                         help="our methods' draft, as load_pair gives it (HF baselines always use the stock draft)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results")
@@ -267,8 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from .loading import load_pair
-
     methods = [m for m in args.methods.split(",") if m]
     modes = [m for m in args.modes.split(",") if m]
     sweep_gammas = [int(g) for g in args.sweep_gammas.split(",") if g]

@@ -31,13 +31,13 @@ PREDICT = '{endpoint="/predict",status="200"}'
 # --- the server under test -------------------------------------------------------------------------------------
 
 def faulty_pair(settings):
-    """A loader (SPECDEC_LOADER=specdec.stress:faulty_pair): load_pair, with faults triggered by prompt markers."""
+    """A loader (SPECDEC_LOADER=specdec.stress:faulty_pair): the service's own loading, with faults triggered by
+    prompt markers."""
     import torch
 
-    from . import load_pair
+    from .service import _load_pair
 
-    draft, target, tokenizer = load_pair(draft=settings.draft_model, target=settings.target_model,
-                                         device=settings.device, dtype=settings.dtype)
+    draft, target, tokenizer = _load_pair(settings)
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     faults = [(tokenizer.encode(RAISE_MARKER, add_special_tokens=False), lambda: RuntimeError("injected fault")),
               (tokenizer.encode(OOM_MARKER, add_special_tokens=False),

@@ -3,85 +3,30 @@ curl request, SSE read by a real client, 8 concurrent clients against a queue of
 SIGTERM during a request, and start-up refusing a bad configuration."""
 
 import json
-import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
+from specdec.stress import DELAY_ENV, Server
+
 pytestmark = pytest.mark.xdist_group("gunicorn")
 
-ROOT = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
 PROMPT = "Who is the president of the USA"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """`python serving.py` in a clean environment: only the SPECDEC_* settings given here."""
-
-    def __init__(self, log_path: Path, **settings):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
-        env.update({f"SPECDEC_{k.upper()}": str(v) for k, v in settings.items()})
-        env.update(SPECDEC_HOST="127.0.0.1", SPECDEC_PORT=str(self.port), PYTHONPATH=str(TESTS),
-                   OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        self.log_path = log_path
-        with open(log_path, "wb") as log:
-            self.process = subprocess.Popen([sys.executable, "serving.py"], cwd=ROOT, env=env, stdout=log,
-                                            stderr=subprocess.STDOUT)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"the server exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if requests.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.1)
-        pytest.fail(f"the server was not ready within {timeout} s:\n{self.log()}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-    def metric(self, name: str, labels: str = "") -> float:
-        for line in requests.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith(name + labels + " "):
-                return float(line.split()[-1])
-        return 0.0
-
-
 def start(tmp_path_factory, tiny_pair_dirs, name, **settings) -> Server:
+    """The tiny pair with the target slowed by 5 ms per forward, so a request is reliably still decoding when a
+    test overloads the server, disconnects or sends SIGTERM."""
     draft_dir, target_dir = tiny_pair_dirs
-    server = Server(tmp_path_factory.mktemp(name) / "server.log", draft_model=draft_dir, target_model=target_dir,
-                    device="cpu", loader="slow_pair:load", **settings)
-    server.wait_ready()
+    server = Server(tmp_path_factory.mktemp(name) / "server.log", env={DELAY_ENV: "0.005"}, draft_model=draft_dir,
+                    target_model=target_dir, device="cpu", loader="specdec.stress:faulty_pair", **settings)
+    server.wait_ready(timeout=90)
     return server
 
 

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from .adaptive import expected_speedup, fit_alpha
+from .cpu_attention import restore_attention, use_gqa_attention
 from .cpu_linear import pack_linears, quantize_linears, unpack_linears
 from .engine import SpeculativeDecoder
 from .loading import DRAFT_QUANTIZATIONS, load_pair
@@ -293,7 +294,8 @@ def main(argv=None) -> int:
             if not packed:  # HF baselines ran on stock weights; ours get what load_pair gives by default
                 if args.draft_quantization == "int8":
                     quantize_linears(draft)  # float32 CPU only, like load_pair; not undone (HF runs came first)
-                if pack_linears(target) + pack_linears(draft):
+                if (pack_linears(target) + pack_linears(draft)
+                        + use_gqa_attention(target) + use_gqa_attention(draft)):
                     cost["ours"] = verification_cost(target, verify_width)
                 decoder = SpeculativeDecoder(draft, target, tokenizer)
                 packed = True
@@ -304,6 +306,8 @@ def main(argv=None) -> int:
     if packed:
         unpack_linears(target)
         unpack_linears(draft)
+        restore_attention(target)
+        restore_attention(draft)
 
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m specdec.bench"] + (argv if argv is not None else sys.argv[1:])),

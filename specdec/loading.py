@@ -216,7 +216,8 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
 
     `device_map` (e.g. "auto") spreads the target over several GPUs with accelerate; the draft stays on `device`.
     `cpu_kernels`: pack float32 CPU linear layers once (specdec.cpu_linear), so verifying gamma tokens in one
-    target forward costs about what one token does; models elsewhere or in half precision are left as loaded.
+    target forward costs about what one token does, and let CPU attention over grouped heads skip copying the
+    cache per head (specdec.cpu_attention); models elsewhere or in half precision keep the library's kernels.
     `draft_quantization`: "int8" (default) quantizes a float32 CPU draft's linear layers to int8, which makes
     proposing 2.5-3x cheaper; outputs stay exactly the target's, since the rejection rule uses the quantized
     draft's own probabilities. "none" (or None) keeps the draft as loaded. The target is never quantized.
@@ -247,6 +248,7 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     if len(tokenizer) > vocab_size:
         raise SpecDecError(f"the tokenizer has {len(tokenizer)} tokens but the models only {vocab_size} logits",
                            field="target_model")
+    from .cpu_attention import use_gqa_attention
     from .cpu_linear import pack_linears, quantize_linears
 
     if draft_quantization == "int8":
@@ -254,6 +256,9 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     if cpu_kernels and dtype == torch.float32:
         pack_linears(target_model)
         pack_linears(draft_model)  # whatever the quantization left in float32
+    if cpu_kernels:
+        use_gqa_attention(target_model)  # CPU sdpa models with grouped heads only
+        use_gqa_attention(draft_model)
     return draft_model, target_model, tokenizer
 
 

@@ -1,0 +1,71 @@
+"""Grouped-query attention without copied key/value heads, for multi-token verification on CPU.
+
+For a forward over several new tokens with a KV cache (a verification over gamma+1 tokens), transformers' sdpa
+path has a mask and then copies every key and value head `num_key_value_groups` times (`repeat_kv`) in every
+layer: Qwen2.5-1.5B (12 query heads, 2 key/value heads) copies its whole cache six-fold twice per layer, about
+10 ms of a 350 ms verification. torch's SDPA takes grouped heads directly (`enable_gqa=True`), with the same
+results. The function is registered through transformers' AttentionInterface under its own name and selected
+per model (`set_attn_implementation`), so other models in the process keep the library's behaviour.
+"""
+
+import logging
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+logger = logging.getLogger(__name__)
+
+GQA_ATTENTION = "specdec_sdpa_gqa"
+
+
+def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, except that several masked queries over grouped heads skip `repeat_kv`."""
+    grouped = getattr(module, "num_key_value_groups", 1) > 1
+    plain = all(kwargs.get(name) is None for name in ("position_bias", "softcap")) \
+        and not kwargs.get("output_attentions", False)
+    if not (grouped and plain and attention_mask is not None and query.shape[2] > 1):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    if GQA_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(GQA_ATTENTION, gqa_sdpa_forward)
+        AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)  # the same masks as sdpa
+
+
+def _is_grouped(model) -> bool:
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    return bool(heads and kv_heads and kv_heads < heads)
+
+
+def use_gqa_attention(model) -> bool:
+    """Switch a CPU model that uses sdpa over grouped heads to `gqa_sdpa_forward`. Returns whether it did.
+
+    CUDA models, other attention implementations and models without grouped heads are left as loaded.
+    """
+    if (model.config._attn_implementation != "sdpa" or not _is_grouped(model)
+            or model.get_input_embeddings().weight.device.type != "cpu"
+            or not model._can_set_attn_implementation()):
+        return False
+    _register()
+    model.set_attn_implementation(GQA_ATTENTION)
+    logger.info("grouped-query attention without repeated heads for %s", type(model).__name__)
+    return True
+
+
+def restore_attention(model) -> bool:
+    """Undo `use_gqa_attention`: the library's sdpa again. Returns whether anything changed."""
+    if model.config._attn_implementation != GQA_ATTENTION:
+        return False
+    model.set_attn_implementation("sdpa")
+    return True

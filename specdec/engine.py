@@ -113,6 +113,7 @@ class _Request:
         self.forwards = {"draft": 0, "target": 0}
         self.seconds = {"draft": 0.0, "target": 0.0}
         self.started = time.perf_counter()
+        self.first_chunk: tuple[float, int] | None = None  # (seconds since start, tokens) of the first commit
 
     @property
     def generated(self) -> int:
@@ -144,6 +145,8 @@ class _Request:
                 self.finish_reason = "stop"
                 break
         sources = sources[: len(tokens)]
+        if self.first_chunk is None:
+            self.first_chunk = (time.perf_counter() - self.started, len(tokens))
         self.ids.extend(tokens)
         self.sources.extend(sources)
         if self.finish_reason is None and self.budget() <= 0:
@@ -155,6 +158,8 @@ class _Request:
         new = self.generated
         other = max(0.0, total - self.seconds["draft"] - self.seconds["target"])
         target_forwards = self.forwards["target"]
+        first_seconds, first_tokens = self.first_chunk or (total, new)
+        later = total - first_seconds
         return {
             "method": method,
             "gamma": gamma,
@@ -173,6 +178,11 @@ class _Request:
             "other_seconds": other,
             "total_seconds": total,
             "tokens_per_second": new / total if total > 0 else None,
+            # the first round includes the prompt prefill (time to first token); the rounds after it are the
+            # steady state that Leviathan et al.'s expected speedup describes
+            "first_chunk_seconds": first_seconds,
+            "first_chunk_tokens": first_tokens,
+            "decode_tokens_per_second": (new - first_tokens) / later if new > first_tokens and later > 0 else None,
         }
 
 

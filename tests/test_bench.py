@@ -36,6 +36,10 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
         assert 0 <= google["acceptance_rate"] <= 1
         assert google["leviathan_bound"] > 0 and google["efficiency"] > 0
         assert block["cost_ratio_c"] > 0
+        assert block["methods"]["target"]["decode_speedup_vs_target"] == 1.0
+        assert google["first_chunk_seconds"] > 0 and google["decode_efficiency"] > 0
+        assert block["methods"]["hf_assisted"]["decode_tokens_per_second"] is None  # generate gives no rounds
+    assert "decode efficiency" in table
     assert set(report["summary"]["greedy"]["gamma_sweep"]) == {"1", "3"}  # JSON object keys
     assert report["draft_quantization"] == "int8" and "quantization int8" in table
     # generated tokens only: never more than max_new_tokens per run
@@ -56,6 +60,21 @@ def test_summary_bound_uses_measured_acceptance_and_cost():
     assert google["alpha"] == alpha > 0.75
     assert google["leviathan_bound"] == pytest.approx(expected_speedup(alpha, 4, 0.25))
     assert google["efficiency"] == pytest.approx(1.6 / expected_speedup(alpha, 4, 0.25))
+    assert "decode_efficiency" not in google  # no steady-state figures in these runs
+
+
+def test_summary_steady_state_leaves_out_the_first_round():
+    runs = [{"mode": "greedy", "method": "target", "sweep_gamma": None, "new_tokens": 11, "total_seconds": 2.0,
+             "first_chunk_seconds": 1.0, "first_chunk_tokens": 1, "decode_tokens_per_second": 10.0},
+            {"mode": "greedy", "method": "draft", "sweep_gamma": None, "new_tokens": 11, "total_seconds": 0.5},
+            {"mode": "greedy", "method": "google", "sweep_gamma": None, "new_tokens": 11, "total_seconds": 1.5,
+             "proposed": 8, "accepted": 6, "rounds": 3, "target_forwards": 3, "other_seconds": 0.01,
+             "first_chunk_seconds": 1.1, "first_chunk_tokens": 3, "decode_tokens_per_second": 20.0}]
+    google = bench.summarise(runs, gamma=4)["greedy"]["methods"]["google"]
+    assert google["speedup_vs_target"] == pytest.approx(2.0 / 1.5)
+    assert google["decode_speedup_vs_target"] == 2.0
+    assert google["decode_efficiency"] == pytest.approx(2.0 / google["leviathan_bound"])
+    assert google["first_chunk_seconds"] == 1.1
 
 
 def test_gpu_script_smoke_on_cpu(tmp_path):

@@ -141,9 +141,17 @@ def test_stats(decoder):
         assert stats[key] >= 0
     assert stats["draft_seconds"] + stats["target_seconds"] + stats["other_seconds"] == pytest.approx(
         stats["total_seconds"], rel=1e-6)
+    # the first round (prefill included) apart: time to the first tokens, and the rate of the rest
+    assert 1 <= stats["first_chunk_tokens"] <= 4
+    assert 0 < stats["first_chunk_seconds"] < stats["total_seconds"]
+    assert stats["decode_tokens_per_second"] == pytest.approx(
+        (20 - stats["first_chunk_tokens"]) / (stats["total_seconds"] - stats["first_chunk_seconds"]))
     baseline = decoder.generate(PROMPT, max_new_tokens=10, method="target", seed=0).stats
     assert baseline["target_forwards"] == 10 and baseline["draft_forwards"] == 0
     assert baseline["tokens_per_target_forward"] == 1.0 and baseline["acceptance_rate"] is None
+    assert baseline["first_chunk_tokens"] == 1
+    one = decoder.generate(PROMPT, max_new_tokens=1, method="target", seed=0).stats
+    assert one["first_chunk_tokens"] == 1 and one["decode_tokens_per_second"] is None  # nothing after it
 
 
 def test_stream_chunks_add_up(decoder):

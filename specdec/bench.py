@@ -293,12 +293,14 @@ def main(argv=None) -> int:
     draft, target, tokenizer = load_pair(args.draft, args.target, device=args.device, dtype=args.dtype,
                                          cpu_kernels=False, draft_quantization="none")  # stock, for HF
     encoded = [encode(tokenizer, item) for item in prompts]
-    plan = [(mode, method, i, rep, None) for mode in modes for method in methods if method in HF_METHODS
-            for i in range(len(prompts)) for rep in range(args.repeats)]
-    plan += [(mode, method, i, rep, None) for mode in modes for method in methods if method in OUR_METHODS
-             for i in range(len(prompts)) for rep in range(args.repeats)]
-    plan += [("greedy", "google", i, 0, g) for g in sweep_gammas for i in range(min(args.sweep_prompts, len(prompts)))
-             if "greedy" in modes]
+    # prompt-major: every method runs on a prompt before the next prompt, so a shared machine's drift in speed
+    # lands on all methods alike instead of on whichever ran last (HF first: they need the stock weights)
+    plan = [(mode, method, i, rep, None) for mode in modes for i in range(len(prompts)) for rep in range(args.repeats)
+            for method in methods if method in HF_METHODS]
+    plan += [(mode, method, i, rep, None) for mode in modes for i in range(len(prompts))
+             for rep in range(args.repeats) for method in methods if method in OUR_METHODS]
+    plan += [("greedy", "google", i, 0, g) for i in range(min(args.sweep_prompts, len(prompts)))
+             for g in sweep_gammas if "greedy" in modes]
 
     verify_width = max([args.gamma] + sweep_gammas) + 1
     cost = {"stock": verification_cost(target, verify_width)}

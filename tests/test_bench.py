@@ -42,6 +42,11 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     assert "decode efficiency" in table
     assert set(report["summary"]["greedy"]["gamma_sweep"]) == {"1", "3"}  # JSON object keys
     assert report["draft_quantization"] == "int8" and "quantization int8" in table
+    # prompt-major order: every method runs on a prompt before the next one (drift hits all methods alike)
+    ours = [(r["prompt"], r["method"]) for r in report["runs"]
+            if r["mode"] == "greedy" and r["method"] in bench.OUR_METHODS and r["sweep_gamma"] is None]
+    assert [m for _, m in ours[:len(bench.OUR_METHODS)]] == list(bench.OUR_METHODS)
+    assert len({p for p, _ in ours[:len(bench.OUR_METHODS)]}) == 1
     # generated tokens only: never more than max_new_tokens per run
     assert all(0 < run["new_tokens"] <= 6 for run in report["runs"])
 

@@ -21,10 +21,10 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from .adaptive import expected_speedup, fit_alpha
-from .cpu_attention import restore_attention, use_gqa_attention
-from .cpu_linear import pack_linears, quantize_linears, unpack_linears
+from .cpu_attention import restore_attention
+from .cpu_linear import unpack_linears
 from .engine import SpeculativeDecoder
-from .loading import DRAFT_QUANTIZATIONS, load_pair
+from .loading import DRAFT_QUANTIZATIONS, apply_cpu_kernels, load_pair
 
 OUR_METHODS = ("target", "draft", "google", "deepmind", "adaptive")
 HF_METHODS = ("hf_target", "hf_assisted")
@@ -311,10 +311,8 @@ def main(argv=None) -> int:
             stats = run_hf(method, draft, target, encoded[i], args.max_new_tokens, MODES[mode], seed)
         else:
             if not packed:  # HF baselines ran on stock weights; ours get what load_pair gives by default
-                if args.draft_quantization == "int8":
-                    quantize_linears(draft)  # float32 CPU only, like load_pair; not undone (HF runs came first)
-                if (pack_linears(target) + pack_linears(draft)
-                        + use_gqa_attention(target) + use_gqa_attention(draft)):
+                # (the int8 draft is not undone afterwards: the HF runs came first)
+                if apply_cpu_kernels(draft, target, args.draft_quantization):
                     cost["ours"] = verification_cost(target, verify_width)
                 decoder = SpeculativeDecoder(draft, target, tokenizer)
                 packed = True

@@ -35,12 +35,6 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out.transpose(1, 2).contiguous(), None
 
 
-def _register() -> None:
-    if GQA_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(GQA_ATTENTION, gqa_sdpa_forward)
-        AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)  # the same masks as sdpa
-
-
 def _is_grouped(model) -> bool:
     config = model.config.get_text_config(decoder=True)
     heads = getattr(config, "num_attention_heads", None)
@@ -57,7 +51,8 @@ def use_gqa_attention(model) -> bool:
             or model.get_input_embeddings().weight.device.type != "cpu"
             or not model._can_set_attn_implementation()):
         return False
-    _register()
+    AttentionInterface.register(GQA_ATTENTION, gqa_sdpa_forward)  # idempotent: a named entry in the registry
+    AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)  # the same masks as sdpa
     model.set_attn_implementation(GQA_ATTENTION)
     logger.info("grouped-query attention without repeated heads for %s", type(model).__name__)
     return True

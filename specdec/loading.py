@@ -248,18 +248,26 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     if len(tokenizer) > vocab_size:
         raise SpecDecError(f"the tokenizer has {len(tokenizer)} tokens but the models only {vocab_size} logits",
                            field="target_model")
+    apply_cpu_kernels(draft_model, target_model, draft_quantization, cpu_kernels)
+    return draft_model, target_model, tokenizer
+
+
+def apply_cpu_kernels(draft_model, target_model, draft_quantization: str = "none", cpu_kernels: bool = True) -> bool:
+    """What `load_pair` does to a loaded pair, in place: the int8 draft, packed linears, grouped-head attention.
+
+    Each step touches float32 (or sdpa) CPU layers only; models on CUDA or in half precision are left as loaded.
+    Returns whether the target's forward changed (so its verification cost may have).
+    """
     from .cpu_attention import use_gqa_attention
     from .cpu_linear import pack_linears, quantize_linears
 
     if draft_quantization == "int8":
-        quantize_linears(draft_model)  # float32 CPU layers only; anything else is left as loaded
-    if cpu_kernels and dtype == torch.float32:
-        pack_linears(target_model)
-        pack_linears(draft_model)  # whatever the quantization left in float32
-    if cpu_kernels:
-        use_gqa_attention(target_model)  # CPU sdpa models with grouped heads only
-        use_gqa_attention(draft_model)
-    return draft_model, target_model, tokenizer
+        quantize_linears(draft_model)
+    if not cpu_kernels:
+        return False
+    pack_linears(draft_model)  # whatever the quantization left in float32
+    use_gqa_attention(draft_model)
+    return bool(pack_linears(target_model) + use_gqa_attention(target_model))
 
 
 def resolve_draft_quantization(value: str | None) -> str:

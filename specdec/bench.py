@@ -7,6 +7,7 @@ the command, the machine and the date.
 """
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -20,11 +21,10 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from .adaptive import expected_speedup, fit_alpha
-from .cpu_attention import restore_attention
-from .cpu_linear import unpack_linears
+from .adaptive import expected_tokens, fit_alpha
 from .engine import SpeculativeDecoder
-from .loading import DRAFT_QUANTIZATIONS, apply_cpu_kernels, load_pair
+from .kv_cache import input_device
+from .loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels, use_stock_kernels
 
 OUR_METHODS = ("target", "draft", "google", "deepmind", "adaptive")
 HF_METHODS = ("hf_target", "hf_assisted")
@@ -92,6 +92,16 @@ def verification_cost(model, max_new: int, context: int = 128, repeats: int = 5)
     return {"context": context, "ms": ms, "relative": {n: v / ms[1] for n, v in ms.items()}}
 
 
+def ours_draft(draft, draft_quantization: str):
+    """Our methods' draft, as load_pair gives it: a copy of the stock draft (int8, packed, grouped-head attention
+    on CPU), so that the stock one stays for Hugging Face's assisted generation. On CUDA: the stock draft."""
+    if input_device(draft).type != "cpu":
+        return draft
+    ours = copy.deepcopy(draft)
+    prepare_draft(ours, draft_quantization)
+    return ours
+
+
 def run_hf(method: str, draft, target, ids: list[int], max_new_tokens: int, mode: dict, seed: int) -> dict:
     """One Hugging Face generate call; returns generated tokens and seconds."""
     device = target.get_input_embeddings().weight.device
@@ -125,6 +135,24 @@ def _median(values):
     return statistics.median(values) if values else None
 
 
+def leviathan_bound(alpha: float, mean_gamma: float, c: float, verification: float = 1.0) -> float:
+    """Expected speedup for acceptance alpha and cost ratio c at a (possibly fractional, adaptive) mean gamma,
+    interpolated between the integers around it. `verification`: a target forward over gamma + 1 tokens relative
+    to one token (1 in the paper's model)."""
+    alpha = min(alpha, 0.999999)
+    low = max(int(mean_gamma), 1)
+    frac = max(mean_gamma - low, 0.0)
+    return sum(weight * expected_tokens(alpha, g) / (g * c + verification)
+               for weight, g in ((1 - frac, low), (frac, low + 1)) if weight)
+
+
+def per_forward_ms(runs: list[dict], role: str) -> float | None:
+    """Mean ms of a draft or target forward after the first (the prompt prefill) over these runs."""
+    seconds = sum(r.get(f"{role}_seconds", 0) - r.get(f"{role}_prefill_seconds", 0) for r in runs)
+    forwards = sum(max(r.get(f"{role}_forwards", 0) - 1, 0) for r in runs if f"{role}_prefill_seconds" in r)
+    return 1e3 * seconds / forwards if forwards else None
+
+
 def summarise(runs: list[dict], gamma: int) -> dict:
     """Per mode and method: median tokens/s, speedups, acceptance, tokens per target forward, c, bound."""
     summary = {}
@@ -153,19 +181,28 @@ def summarise(runs: list[dict], gamma: int) -> dict:
                 row["tokens_per_target_forward"] = row["new_tokens"] / sum(r["target_forwards"] for r in rs)
                 # Leviathan's alpha (per proposal), fitted to tokens per round: accepted/proposed understates it
                 row["alpha"] = fit_alpha(row["new_tokens"] / rounds, row["mean_gamma"])
-                if c is not None:
-                    alpha = min(row["alpha"], 0.999999)
-                    # the bound for the measured acceptance and c at the gamma actually used
-                    low, high = int(row["mean_gamma"]), int(row["mean_gamma"]) + 1
-                    frac = row["mean_gamma"] - low
-                    row["leviathan_bound"] = ((1 - frac) * expected_speedup(alpha, max(low, 1), c)
-                                              + frac * expected_speedup(alpha, high, c))
+                if c is not None:  # the bound for the measured acceptance and c at the gamma actually used
+                    row["leviathan_bound"] = leviathan_bound(row["alpha"], row["mean_gamma"], c)
+            for role in ("draft", "target"):
+                ms = per_forward_ms(rs, role)
+                if ms is not None:
+                    row[f"{role}_ms_per_forward"] = ms
             if "other_seconds" in rs[0]:
                 row["outside_forward_share"] = (sum(r["other_seconds"] for r in rs)
                                                 / sum(r["total_seconds"] for r in rs))
             rows[method] = row
         base, hf_assisted = rows.get("target", {}).get("tokens_per_second"), rows.get("hf_assisted", {})
         decode_base = rows.get("target", {}).get("decode_tokens_per_second")
+        # what each forward costs inside the speculative loop, against the same model decoding alone: on a CPU
+        # whose cache holds one model but not both, alternating draft and target makes each dearer
+        target_ms = rows.get("target", {}).get("target_ms_per_forward")
+        for row in rows.values():
+            if target_ms and row.get("alpha") is not None and row.get("draft_ms_per_forward") \
+                    and row.get("target_ms_per_forward"):
+                row["in_loop_cost_ratio"] = row["draft_ms_per_forward"] / target_ms
+                row["in_loop_verification_cost"] = row["target_ms_per_forward"] / target_ms
+                row["in_loop_bound"] = leviathan_bound(row["alpha"], row["mean_gamma"], row["in_loop_cost_ratio"],
+                                                       row["in_loop_verification_cost"])
         for row in rows.values():
             if base and row["tokens_per_second"]:
                 row["speedup_vs_target"] = row["tokens_per_second"] / base
@@ -173,6 +210,8 @@ def summarise(runs: list[dict], gamma: int) -> dict:
                 row["decode_speedup_vs_target"] = row["decode_tokens_per_second"] / decode_base
                 if row.get("leviathan_bound"):
                     row["decode_efficiency"] = row["decode_speedup_vs_target"] / row["leviathan_bound"]
+                if row.get("in_loop_bound"):
+                    row["decode_efficiency_in_loop"] = row["decode_speedup_vs_target"] / row["in_loop_bound"]
             if hf_assisted.get("tokens_per_second") and row["tokens_per_second"]:
                 row["speedup_vs_hf_assisted"] = row["tokens_per_second"] / hf_assisted["tokens_per_second"]
             if row.get("leviathan_bound") and row.get("speedup_vs_target"):
@@ -224,6 +263,20 @@ def markdown(report: dict) -> str:
             lines += [f"| {m} | {fmt(row['first_chunk_seconds'])} | {fmt(row['decode_tokens_per_second'])} "
                       f"| {fmt(row.get('decode_speedup_vs_target'))}x | {fmt(row.get('decode_efficiency'))} |"
                       for m, row in steady.items()]
+        loop = {m: row for m, row in block["methods"].items() if row.get("draft_ms_per_forward")
+                or row.get("target_ms_per_forward")}
+        if loop:
+            lines += ["", "Where the time goes: ms per forward after each model's first (the prompt prefill). In the "
+                      "speculative loop against each model decoding alone; the in-loop bound is the Leviathan bound "
+                      "with the in-loop c and the verification forward's in-loop cost relative to a target-only "
+                      "forward.", "",
+                      "| method | draft ms/forward | target ms/forward | in-loop c | verification cost | "
+                      "in-loop bound | decode efficiency vs in-loop bound |",
+                      "|---|---|---|---|---|---|---|"]
+            lines += [f"| {m} | {fmt(row.get('draft_ms_per_forward'), '.1f')} "
+                      f"| {fmt(row.get('target_ms_per_forward'), '.1f')} | {fmt(row.get('in_loop_cost_ratio'), '.3f')} "
+                      f"| {fmt(row.get('in_loop_verification_cost'))}x | {fmt(row.get('in_loop_bound'))} "
+                      f"| {fmt(row.get('decode_efficiency_in_loop'))} |" for m, row in loop.items()]
         if block["gamma_sweep"]:
             lines += ["", "Speedup of Google over our target-only by gamma (greedy sweep): "
                       + ", ".join(f"gamma {g}: {fmt(s)}x" for g, s in block["gamma_sweep"].items())]
@@ -293,38 +346,34 @@ def main(argv=None) -> int:
     draft, target, tokenizer = load_pair(args.draft, args.target, device=args.device, dtype=args.dtype,
                                          cpu_kernels=False, draft_quantization="none")  # stock, for HF
     encoded = [encode(tokenizer, item) for item in prompts]
-    # prompt-major: every method runs on a prompt before the next prompt, so a shared machine's drift in speed
-    # lands on all methods alike instead of on whichever ran last (HF first: they need the stock weights)
-    plan = [(mode, method, i, rep, None) for mode in modes for i in range(len(prompts)) for rep in range(args.repeats)
-            for method in methods if method in HF_METHODS]
-    plan += [(mode, method, i, rep, None) for mode in modes for i in range(len(prompts))
-             for rep in range(args.repeats) for method in methods if method in OUR_METHODS]
-    plan += [("greedy", "google", i, 0, g) for i in range(min(args.sweep_prompts, len(prompts)))
-             for g in sweep_gammas if "greedy" in modes]
-
     verify_width = max([args.gamma] + sweep_gammas) + 1
     cost = {"stock": verification_cost(target, verify_width)}
-    runs, packed = [], False
+    # prompt-major: every method, Hugging Face's included, runs on a prompt before the next prompt, so a shared
+    # machine's drift in speed lands on all methods alike instead of on whichever ran last
+    plan = [(mode, method, i, rep, None) for mode in modes for i in range(len(prompts)) for rep in range(args.repeats)
+            for method in methods]
+    plan += [("greedy", "google", i, 0, g) for i in range(min(args.sweep_prompts, len(prompts)))
+             for g in sweep_gammas if "greedy" in modes]
+    if any(method in OUR_METHODS for _, method, *_ in plan):
+        decoder = SpeculativeDecoder(ours_draft(draft, args.draft_quantization), target, tokenizer)
+        if use_cpu_kernels(target):
+            cost["ours"] = verification_cost(target, verify_width)
+
+    runs = []
     for mode, method, i, rep, sweep_gamma in tqdm(plan, desc="bench", unit="run", file=sys.stderr):
         seed = args.seed + 1000 * rep + i
         if method in HF_METHODS:
+            # the target as from_pretrained loads it (switching back and forth is exact: the packed weights
+            # unpack to the same values, a tied output layer ties again)
+            use_stock_kernels(target)
             stats = run_hf(method, draft, target, encoded[i], args.max_new_tokens, MODES[mode], seed)
         else:
-            if not packed:  # HF baselines ran on stock weights; ours get what load_pair gives by default
-                # (the int8 draft is not undone afterwards: the HF runs came first)
-                if apply_cpu_kernels(draft, target, args.draft_quantization):
-                    cost["ours"] = verification_cost(target, verify_width)
-                decoder = SpeculativeDecoder(draft, target, tokenizer)
-                packed = True
+            use_cpu_kernels(target)
             stats = run_ours(method, decoder, encoded[i], args.max_new_tokens, MODES[mode], seed,
                              sweep_gamma or args.gamma)
         runs.append({"mode": mode, "method": method, "prompt": prompts[i]["id"], "repeat": rep,
                      "sweep_gamma": sweep_gamma, **{k: v for k, v in stats.items() if k != "method"}})
-    if packed:
-        unpack_linears(target)
-        unpack_linears(draft)
-        restore_attention(target)
-        restore_attention(draft)
+    use_stock_kernels(target)
 
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m specdec.bench"] + (argv if argv is not None else sys.argv[1:])),

@@ -30,9 +30,12 @@ def packing_supported() -> bool:
 class PackedLinear(nn.Module):
     """A drop-in nn.Linear replacement holding its weight only in oneDNN's packed layout."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, tied: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        # a weight shared with another module (an output layer tied to the embedding) stays alive there anyway;
+        # remembering it lets to_linear tie it again instead of copying it (in a tuple: not a second parameter)
+        self.tied_weight = (linear.weight,) if tied else ()
         weight = linear.weight.detach().contiguous()
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT),
                              persistent=False)
@@ -44,12 +47,10 @@ class PackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def to_linear(self) -> nn.Linear:
-        """The equivalent stock nn.Linear (weights unpacked)."""
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
-        with torch.no_grad():
-            linear.weight.copy_(self.packed_weight.to_dense())
-            if self.bias is not None:
-                linear.bias.copy_(self.bias)
+        """The equivalent stock nn.Linear (weights unpacked, or the shared weight if it was tied)."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        linear.weight = self.tied_weight[0] if self.tied_weight else nn.Parameter(self.packed_weight.to_dense())
+        linear.bias = self.bias
         return linear.eval()
 
     def extra_repr(self) -> str:
@@ -70,11 +71,14 @@ def pack_linears(model: nn.Module) -> int:
     """
     if not packing_supported():
         return 0
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
     count = 0
     for parent, name, linear in list(_linears(model, nn.Linear)):
         if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
             continue
-        setattr(parent, name, PackedLinear(linear))
+        setattr(parent, name, PackedLinear(linear, tied=uses[id(linear.weight)] > 1))
         count += 1
     if count:
         logger.info("packed %d linear layers of %s for multi-token CPU forwards", count, type(model).__name__)
@@ -82,7 +86,8 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def unpack_linears(model: nn.Module) -> int:
-    """Undo `pack_linears`: stock nn.Linear layers again (what `from_pretrained` gives). Returns how many."""
+    """Undo `pack_linears`: stock nn.Linear layers again (what `from_pretrained` gives, tied weights tied again).
+    Returns how many."""
     count = 0
     for parent, name, packed in list(_linears(model, PackedLinear)):
         setattr(parent, name, packed.to_linear())

@@ -112,6 +112,7 @@ class _Request:
         self.rounds = 0
         self.forwards = {"draft": 0, "target": 0}
         self.seconds = {"draft": 0.0, "target": 0.0}
+        self.prefill_seconds = {"draft": 0.0, "target": 0.0}  # each model's first forward: the prompt prefill
         self.started = time.perf_counter()
         self.first_chunk: tuple[float, int] | None = None  # (seconds since start, tokens) of the first commit
 
@@ -132,7 +133,10 @@ class _Request:
         logits = model.forward(tokens, keep)
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
-        self.seconds[role] += time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if not self.forwards[role]:
+            self.prefill_seconds[role] = seconds
+        self.seconds[role] += seconds
         self.forwards[role] += 1
         return logits
 
@@ -175,6 +179,10 @@ class _Request:
             "target_forwards": target_forwards,
             "draft_seconds": self.seconds["draft"],
             "target_seconds": self.seconds["target"],
+            # each model's first forward (the prompt prefill, with the first proposal or token): the forwards
+            # after it are the per-token costs that the Leviathan model's c describes
+            "draft_prefill_seconds": self.prefill_seconds["draft"],
+            "target_prefill_seconds": self.prefill_seconds["target"],
             "other_seconds": other,
             "total_seconds": total,
             "tokens_per_second": new / total if total > 0 else None,

@@ -258,16 +258,34 @@ def apply_cpu_kernels(draft_model, target_model, draft_quantization: str = "none
     Each step touches float32 (or sdpa) CPU layers only; models on CUDA or in half precision are left as loaded.
     Returns whether the target's forward changed (so its verification cost may have).
     """
-    from .cpu_attention import use_gqa_attention
-    from .cpu_linear import pack_linears, quantize_linears
+    prepare_draft(draft_model, draft_quantization, cpu_kernels)
+    return cpu_kernels and use_cpu_kernels(target_model)
+
+
+def prepare_draft(draft_model, draft_quantization: str = "none", cpu_kernels: bool = True) -> None:
+    """The draft's half of `apply_cpu_kernels`: int8 if asked, then CPU kernels for what stays float32."""
+    from .cpu_linear import quantize_linears
 
     if draft_quantization == "int8":
         quantize_linears(draft_model)
-    if not cpu_kernels:
-        return False
-    pack_linears(draft_model)  # whatever the quantization left in float32
-    use_gqa_attention(draft_model)
-    return bool(pack_linears(target_model) + use_gqa_attention(target_model))
+    if cpu_kernels:
+        use_cpu_kernels(draft_model)
+
+
+def use_cpu_kernels(model) -> bool:
+    """Packed linears and grouped-head attention for one model, in place. Returns whether anything changed."""
+    from .cpu_attention import use_gqa_attention
+    from .cpu_linear import pack_linears
+
+    return bool(pack_linears(model) + use_gqa_attention(model))
+
+
+def use_stock_kernels(model) -> bool:
+    """Undo `use_cpu_kernels`: the layers and attention `from_pretrained` gives. Returns whether anything changed."""
+    from .cpu_attention import restore_attention
+    from .cpu_linear import unpack_linears
+
+    return bool(unpack_linears(model) + restore_attention(model))
 
 
 def resolve_draft_quantization(value: str | None) -> str:

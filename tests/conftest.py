@@ -26,12 +26,12 @@ CHAT_TEMPLATE = (
 
 
 def tiny_config(arch: str = "llama", vocab_size: int = 64, layers: int = 2, hidden: int = 32, context: int = 256,
-                eos_token_id: int | None = None, initializer_range: float = 0.02):
+                eos_token_id: int | None = None, initializer_range: float = 0.02, tie_word_embeddings: bool = False):
     """A few-layer config of the given architecture; no special tokens unless eos_token_id is given.
 
     A larger initializer_range gives sharper, less uniform next-token distributions.
     """
-    special = dict(bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None, tie_word_embeddings=False,
+    special = dict(bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None, tie_word_embeddings=tie_word_embeddings,
                    initializer_range=initializer_range)
     if arch == "llama":
         return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -50,7 +50,7 @@ def tiny_config(arch: str = "llama", vocab_size: int = 64, layers: int = 2, hidd
 
 
 def make_model(arch: str = "llama", seed: int = 0, **config_kwargs):
-    """A seeded tiny random model (untied embeddings)."""
+    """A seeded tiny random model (untied embeddings unless tie_word_embeddings=True)."""
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(tiny_config(arch, **config_kwargs)).eval()
 

@@ -42,11 +42,18 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     assert "decode efficiency" in table
     assert set(report["summary"]["greedy"]["gamma_sweep"]) == {"1", "3"}  # JSON object keys
     assert report["draft_quantization"] == "int8" and "quantization int8" in table
-    # prompt-major order: every method runs on a prompt before the next one (drift hits all methods alike)
-    ours = [(r["prompt"], r["method"]) for r in report["runs"]
-            if r["mode"] == "greedy" and r["method"] in bench.OUR_METHODS and r["sweep_gamma"] is None]
-    assert [m for _, m in ours[:len(bench.OUR_METHODS)]] == list(bench.OUR_METHODS)
-    assert len({p for p, _ in ours[:len(bench.OUR_METHODS)]}) == 1
+    # prompt-major order: every method, HF's included, runs on a prompt before the next one (drift hits all
+    # methods alike)
+    every = bench.OUR_METHODS + bench.HF_METHODS
+    greedy = [(r["prompt"], r["method"]) for r in report["runs"] if r["mode"] == "greedy" and r["sweep_gamma"] is None]
+    for start in range(0, len(greedy), len(every)):
+        assert [m for _, m in greedy[start:start + len(every)]] == list(every)
+        assert len({p for p, _ in greedy[start:start + len(every)]}) == 1
+    # where the time goes: per-forward costs without the prefill, in the loop and alone
+    google, target_row = report["summary"]["greedy"]["methods"]["google"], report["summary"]["greedy"]["methods"]["target"]
+    assert google["draft_ms_per_forward"] > 0 and target_row["target_ms_per_forward"] > 0
+    assert google["in_loop_bound"] > 0 and google["decode_efficiency_in_loop"] > 0
+    assert "in-loop bound" in table
     # generated tokens only: never more than max_new_tokens per run
     assert all(0 < run["new_tokens"] <= 6 for run in report["runs"])
 
@@ -80,6 +87,39 @@ def test_summary_steady_state_leaves_out_the_first_round():
     assert google["decode_speedup_vs_target"] == 2.0
     assert google["decode_efficiency"] == pytest.approx(2.0 / google["leviathan_bound"])
     assert google["first_chunk_seconds"] == 1.1
+
+
+def test_in_loop_costs_leave_out_the_prefill_and_feed_a_bound():
+    runs = [{"mode": "greedy", "method": "target", "sweep_gamma": None, "new_tokens": 5, "total_seconds": 1.3,
+             "target_forwards": 5, "target_seconds": 1.3, "target_prefill_seconds": 0.5,
+             "draft_forwards": 0, "draft_seconds": 0.0, "draft_prefill_seconds": 0.0},
+            {"mode": "greedy", "method": "draft", "sweep_gamma": None, "new_tokens": 5, "total_seconds": 0.3,
+             "draft_forwards": 5, "draft_seconds": 0.3, "draft_prefill_seconds": 0.1,
+             "target_forwards": 0, "target_seconds": 0.0, "target_prefill_seconds": 0.0},
+            {"mode": "greedy", "method": "google", "sweep_gamma": None, "new_tokens": 8, "total_seconds": 1.2,
+             "proposed": 8, "accepted": 6, "rounds": 2, "other_seconds": 0.01,
+             "target_forwards": 3, "target_seconds": 1.1, "target_prefill_seconds": 0.5,
+             "draft_forwards": 9, "draft_seconds": 0.5, "draft_prefill_seconds": 0.1}]
+    rows = bench.summarise(runs, gamma=4)["greedy"]["methods"]
+    assert rows["target"]["target_ms_per_forward"] == pytest.approx(200.0)  # (1.3 - 0.5) s / 4 forwards
+    assert rows["draft"]["draft_ms_per_forward"] == pytest.approx(50.0)
+    google = rows["google"]
+    assert google["draft_ms_per_forward"] == pytest.approx(50.0)  # (0.5 - 0.1) s / 8
+    assert google["target_ms_per_forward"] == pytest.approx(300.0)  # (1.1 - 0.5) s / 2
+    assert google["in_loop_cost_ratio"] == pytest.approx(0.25)
+    assert google["in_loop_verification_cost"] == pytest.approx(1.5)
+    alpha = google["alpha"]
+    assert google["in_loop_bound"] == pytest.approx(bench.leviathan_bound(alpha, 4, 0.25, 1.5))
+    assert google["in_loop_bound"] < google["leviathan_bound"]  # a dearer verification lowers the bound
+    assert "in_loop_bound" not in rows["target"]
+
+
+def test_bound_interpolates_between_integer_gammas():
+    alpha, c = 0.8, 0.2
+    assert bench.leviathan_bound(alpha, 3, c) == pytest.approx(expected_speedup(alpha, 3, c))
+    middle = bench.leviathan_bound(alpha, 3.5, c)
+    assert middle == pytest.approx((expected_speedup(alpha, 3, c) + expected_speedup(alpha, 4, c)) / 2)
+    assert bench.leviathan_bound(alpha, 3, c, verification=1.2) < bench.leviathan_bound(alpha, 3, c)
 
 
 def test_gpu_script_smoke_on_cpu(tmp_path):

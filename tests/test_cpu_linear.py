@@ -43,6 +43,20 @@ def test_greedy_unchanged_and_reversible():
         torch.testing.assert_close(packed(input_ids=ids).logits, stock(input_ids=ids).logits)
 
 
+def test_unpacking_ties_a_tied_output_layer_again():
+    model = make_model("qwen2", seed=0, hidden=64, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    ids = torch.tensor([[4, 5, 6]])
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+        pack_linears(model)
+        assert isinstance(model.lm_head, PackedLinear)
+        assert len(list(model.parameters())) == len({id(p) for p in model.parameters()})  # no second copy
+        unpack_linears(model)
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+        assert torch.equal(model(input_ids=ids).logits, reference)
+
+
 def test_half_precision_is_left_alone():
     model = make_model("llama").to(torch.bfloat16)
     assert pack_linears(model) == 0

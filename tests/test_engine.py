@@ -1,6 +1,8 @@
 """engine.py: greedy equivalence, stopping, provenance, stats, reproducibility and input checks."""
 
 import pytest
+import time
+
 import torch
 
 from conftest import ARCHITECTURES, make_model, make_tokenizer, perturbed_copy
@@ -152,6 +154,26 @@ def test_stats(decoder):
     assert baseline["first_chunk_tokens"] == 1
     one = decoder.generate(PROMPT, max_new_tokens=1, method="target", seed=0).stats
     assert one["first_chunk_tokens"] == 1 and one["decode_tokens_per_second"] is None  # nothing after it
+
+
+def test_stats_prefill_is_each_models_first_forward(decoder):
+    # a slow prompt forward (only the first forward sees the whole prompt) must land in the prefill figures alone
+    def slow_prompt(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] >= len(PROMPT):  # later forwards: at most gamma + 1 = 4 tokens
+            time.sleep(0.05)
+
+    hooks = [model.register_forward_pre_hook(slow_prompt, with_kwargs=True)
+             for model in (decoder.draft_model, decoder.target_model)]
+    try:
+        stats = decoder.generate(PROMPT, max_new_tokens=12, method="google", gamma=3, seed=0).stats
+        baseline = decoder.generate(PROMPT, max_new_tokens=5, method="target", seed=0).stats
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for role in ("draft", "target"):
+        assert stats[f"{role}_prefill_seconds"] >= 0.05
+        assert stats[f"{role}_seconds"] - stats[f"{role}_prefill_seconds"] < 0.05 * (stats[f"{role}_forwards"] - 1)
+    assert baseline["target_prefill_seconds"] >= 0.05 and baseline["draft_prefill_seconds"] == 0.0
 
 
 def test_stream_chunks_add_up(decoder):

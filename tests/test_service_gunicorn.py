@@ -136,7 +136,10 @@ def test_metrics_counters_move(server):
     requests_before = server.metric("specdec_requests_total", served)
     stats = post(server, {"prompt": PROMPT, "max_new_tokens": 30}).json()["stats"]
     assert server.metric("specdec_requests_total", served) == requests_before + 1
-    assert server.metric("specdec_generated_tokens_total") == before["specdec_generated_tokens_total"] + 30
+    # a random seed may hit EOS before 30 tokens: the counter moves by what was generated
+    assert 0 < stats["new_tokens"] <= 30
+    assert server.metric("specdec_generated_tokens_total") == (before["specdec_generated_tokens_total"]
+                                                               + stats["new_tokens"])
     assert server.metric("specdec_draft_tokens_proposed_total") == (before["specdec_draft_tokens_proposed_total"]
                                                                     + stats["proposed"])
     assert server.metric("specdec_draft_tokens_accepted_total") == (before["specdec_draft_tokens_accepted_total"]

@@ -131,3 +131,16 @@ def test_gpu_script_smoke_on_cpu(tmp_path):
     report = json.loads(out.read_text())
     assert [row["gamma"] for row in report["by_gamma"]] == list(range(1, 9))
     assert report["cost_ratio_c"] > 0
+
+
+def test_interference_script_smoke_on_tiny_pair(tiny_pair_dirs, tmp_path):
+    draft, target = tiny_pair_dirs
+    out = tmp_path / "interference.json"
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "interference.py"), "--draft", draft,
+                           "--target", target, "--cached", "8", "--repeats", "2", "--pause", "0.01",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert set(report["ms"]) == {"draft_back_to_back", "draft_after_target", "draft_after_pause",
+                                 "target_1_token", "target_5_tokens"}
+    assert all(ms > 0 for ms in report["ms"].values()) and "draft_after_target" in done.stdout

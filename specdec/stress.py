@@ -256,8 +256,9 @@ def fault_disconnect(server: Server, max_new_tokens: int = 200) -> dict:
     """A streaming client that disconnects after the first event: decoding stops and the engine is freed."""
     served = server.metric("specdec_requests_total", PREDICT)
     generated = server.metric("specdec_generated_tokens_total")
+    # greedy: the tiny pair decodes all 200 tokens of this prompt (a random seed may hit EOS first)
     response = server.post({"prompt": "a client that leaves", "max_new_tokens": max_new_tokens, "stream": True,
-                            "gamma": 2}, stream=True, headers={"X-Request-ID": "fault-disconnect"})
+                            "gamma": 2, "temperature": 0}, stream=True, headers={"X-Request-ID": "fault-disconnect"})
     if response.status_code != 200:
         return {"ok": False, "generated_tokens": 0, "of": max_new_tokens, "released_after_ms": None,
                 "error": response.text[:300]}

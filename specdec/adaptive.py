@@ -25,9 +25,11 @@ def expected_tokens(alpha: float, gamma: float) -> float:
     return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
 
 
-def expected_speedup(alpha: float, gamma: int, c: float) -> float:
-    """Leviathan et al. eq. (1): speedup over target-only decoding for acceptance alpha and cost ratio c."""
-    return expected_tokens(alpha, gamma) / (gamma * c + 1.0)
+def expected_speedup(alpha: float, gamma: int, c: float, verification: float = 1.0) -> float:
+    """Leviathan et al. eq. (1): speedup over target-only decoding for acceptance alpha and cost ratio c.
+
+    `verification`: a target forward over gamma + 1 tokens relative to one token (1 in the paper's model)."""
+    return expected_tokens(alpha, gamma) / (gamma * c + verification)
 
 
 def fit_alpha(tokens_per_round: float, gamma: float) -> float:

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from .adaptive import expected_tokens, fit_alpha
+from .adaptive import expected_speedup, fit_alpha
 from .engine import SpeculativeDecoder
 from .kv_cache import input_device
 from .loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels, use_stock_kernels
@@ -137,19 +137,20 @@ def _median(values):
 
 def leviathan_bound(alpha: float, mean_gamma: float, c: float, verification: float = 1.0) -> float:
     """Expected speedup for acceptance alpha and cost ratio c at a (possibly fractional, adaptive) mean gamma,
-    interpolated between the integers around it. `verification`: a target forward over gamma + 1 tokens relative
-    to one token (1 in the paper's model)."""
+    interpolated between the integers around it; `verification` as in `expected_speedup`."""
     alpha = min(alpha, 0.999999)
     low = max(int(mean_gamma), 1)
     frac = max(mean_gamma - low, 0.0)
-    return sum(weight * expected_tokens(alpha, g) / (g * c + verification)
+    return sum(weight * expected_speedup(alpha, g, c, verification)
                for weight, g in ((1 - frac, low), (frac, low + 1)) if weight)
 
 
 def per_forward_ms(runs: list[dict], role: str) -> float | None:
-    """Mean ms of a draft or target forward after the first (the prompt prefill) over these runs."""
-    seconds = sum(r.get(f"{role}_seconds", 0) - r.get(f"{role}_prefill_seconds", 0) for r in runs)
-    forwards = sum(max(r.get(f"{role}_forwards", 0) - 1, 0) for r in runs if f"{role}_prefill_seconds" in r)
+    """Mean ms of a draft or target forward after the first (the prompt prefill) over these runs (those that
+    report their prefill)."""
+    runs = [r for r in runs if f"{role}_prefill_seconds" in r and r[f"{role}_forwards"] > 1]
+    seconds = sum(r[f"{role}_seconds"] - r[f"{role}_prefill_seconds"] for r in runs)
+    forwards = sum(r[f"{role}_forwards"] - 1 for r in runs)
     return 1e3 * seconds / forwards if forwards else None
 
 
@@ -373,7 +374,6 @@ def main(argv=None) -> int:
                              sweep_gamma or args.gamma)
         runs.append({"mode": mode, "method": method, "prompt": prompts[i]["id"], "repeat": rep,
                      "sweep_gamma": sweep_gamma, **{k: v for k, v in stats.items() if k != "method"}})
-    use_stock_kernels(target)
 
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m specdec.bench"] + (argv if argv is not None else sys.argv[1:])),

@@ -1,8 +1,8 @@
 """engine.py: greedy equivalence, stopping, provenance, stats, reproducibility and input checks."""
 
-import pytest
 import time
 
+import pytest
 import torch
 
 from conftest import ARCHITECTURES, make_model, make_tokenizer, perturbed_copy

@@ -1,9 +1,19 @@
-"""CPU linear layers: weights packed once for cheap multi-token verification, and an int8 draft.
+"""CPU linear layers for cheap multi-token verification, and an int8 draft.
 
 On our CPUs `torch.nn.functional.linear` over 2-16 rows costs 2-3x one row, because its GEMM path repacks the
-whole weight on every call; verifying gamma draft tokens in one target forward then saves nothing. A weight
-packed once at load time (`mkldnn._reorder_linear_weight`, what inductor does for dynamic batch sizes) makes
-a few rows cost about what one row does. Float32 on CPU only: CUDA and half-precision models are untouched.
+whole weight on every call; verifying gamma draft tokens in one target forward then saves nothing. Two fixes,
+the first one that this machine can run is used (`pack_linears`):
+
+- `FewRowsLinear`: our kernel (csrc/few_rows_linear.cpp, compiled once per machine with torch's JIT extension
+  builder) reads each weight row once for up to 8 input rows, straight from nn.Linear's own weight (shared, not
+  copied). One row costs what MKL's matrix-vector product does, 5 rows little more; each output is summed in
+  the same order whatever the number of rows, so a verification forward's linear layers give bitwise the
+  values of decoding its tokens one by one. Needs a C++ compiler and ninja.
+- `PackedLinear`: a weight packed once at load time (`mkldnn._reorder_linear_weight`, what inductor does for
+  dynamic batch sizes), where no compiler is at hand. A few rows cost about one row, but one row costs more than
+  MKL's matrix-vector product (10-50% in our micro-benchmark).
+
+Float32 on CPU only: CUDA and half-precision models are untouched.
 
 A float32 draft on CPU reads all its weights for every proposed token, so its cost is memory bandwidth. Int8
 dynamic quantization (`quantize_linears`: per-channel int8 weights, activations quantized per call) makes it
@@ -11,20 +21,88 @@ dynamic quantization (`quantize_linears`: per-channel int8 weights, activations 
 probabilities, so the output is still distributed exactly as the target's. The target is never quantized.
 """
 
+import functools
+import hashlib
 import logging
+import platform
+import time
 import warnings
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)
 
 PACK_BATCH_HINT = 5  # typical verification width: gamma + 1
+FEW_ROWS_SOURCE = Path(__file__).resolve().parent / "csrc" / "few_rows_linear.cpp"
+FEW_ROWS_MAX = 16  # the kernel reads the weight once per 8 rows; beyond 16 rows (prefill) the library's GEMM wins
 
 
 def packing_supported() -> bool:
     """Whether this torch build has the oneDNN ops we rely on."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _cpu_signature() -> str:
+    """What a -march=native build depends on: the CPU model and its instruction-set flags."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            lines = [line for line in info if line.startswith(("model name", "flags", "Features"))][:2]
+    except OSError:
+        lines = [platform.processor()]
+    return "".join(lines) + platform.machine()
+
+
+@functools.cache
+def few_rows_kernel() -> bool:
+    """Whether `torch.ops.specdec.few_rows_linear` is usable here: built and loaded on the first call."""
+    return hasattr(torch.ops.specdec, "few_rows_linear") or build_kernel(FEW_ROWS_SOURCE)
+
+
+def build_kernel(source: Path) -> bool:
+    """Compile and load a C++ operator library with torch's JIT extension builder (cached by torch under
+    ~/.cache/torch_extensions, one build per source and CPU). False, with one warning, if it cannot be built
+    (no compiler or ninja): callers then fall back to oneDNN packing."""
+    from torch.utils.cpp_extension import load
+
+    digest = hashlib.sha256(source.read_bytes() + _cpu_signature().encode()).hexdigest()[:12]
+    started = time.perf_counter()
+    try:
+        load(f"specdec_{source.stem}_{digest}", sources=[str(source)], is_python_module=False,
+             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+    except Exception as error:  # any build or load failure means: use the fallback
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        logger.warning("the CPU kernel %s could not be built (%s); using oneDNN-packed weights", source.name, reason)
+        return False
+    logger.info("CPU kernel %s ready in %.1f s", source.name, time.perf_counter() - started)
+    return True
+
+
+class FewRowsLinear(nn.Module):
+    """A drop-in nn.Linear replacement sharing the layer's weight and bias, computed by the few-rows kernel."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # the same Parameters: tied weights stay tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] > FEW_ROWS_MAX:
+            return F.linear(x, self.weight, self.bias)
+        out = torch.ops.specdec.few_rows_linear(rows.contiguous(), self.weight, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def to_linear(self) -> nn.Linear:
+        """The stock nn.Linear, with the same weight and bias."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
+        linear.weight, linear.bias = self.weight, self.bias
+        return linear.eval()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel=few-rows"
 
 
 class PackedLinear(nn.Module):
@@ -64,34 +142,43 @@ def _linears(model: nn.Module, kind):
                 yield parent, name, child
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every float32 CPU nn.Linear of `model` by a PackedLinear, in place. Returns how many were packed.
+def pack_linears(model: nn.Module, few_rows: bool = True) -> int:
+    """Replace every float32 CPU nn.Linear of `model` by a FewRowsLinear (`few_rows` and the kernel builds here)
+    or else a PackedLinear, in place. Returns how many were replaced.
 
-    Models on CUDA, in half precision, or on a torch without oneDNN are returned unchanged (0).
+    Models on CUDA, in half precision, or with neither kernel available are returned unchanged (0).
     """
+    candidates = [(parent, name, linear) for parent, name, linear in _linears(model, nn.Linear)
+                  if linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32]
+    if not candidates:
+        return 0
+    if few_rows and few_rows_kernel():
+        count = 0
+        for parent, name, linear in candidates:
+            if linear.weight.is_contiguous() and (linear.bias is None or linear.bias.is_contiguous()):
+                setattr(parent, name, FewRowsLinear(linear))
+                count += 1
+        logger.info("%d linear layers of %s use the few-rows kernel", count, type(model).__name__)
+        return count
     if not packing_supported():
         return 0
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
-    count = 0
-    for parent, name, linear in list(_linears(model, nn.Linear)):
-        if linear.weight.device.type != "cpu" or linear.weight.dtype != torch.float32:
-            continue
+    for parent, name, linear in candidates:
         setattr(parent, name, PackedLinear(linear, tied=uses[id(linear.weight)] > 1))
-        count += 1
-    if count:
-        logger.info("packed %d linear layers of %s for multi-token CPU forwards", count, type(model).__name__)
-    return count
+    logger.info("packed %d linear layers of %s for multi-token CPU forwards", len(candidates), type(model).__name__)
+    return len(candidates)
 
 
 def unpack_linears(model: nn.Module) -> int:
     """Undo `pack_linears`: stock nn.Linear layers again (what `from_pretrained` gives, tied weights tied again).
     Returns how many."""
     count = 0
-    for parent, name, packed in list(_linears(model, PackedLinear)):
-        setattr(parent, name, packed.to_linear())
-        count += 1
+    for kind in (FewRowsLinear, PackedLinear):
+        for parent, name, layer in list(_linears(model, kind)):
+            setattr(parent, name, layer.to_linear())
+            count += 1
     return count
 
 

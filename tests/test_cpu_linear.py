@@ -1,60 +1,122 @@
-"""cpu_linear.py: packed linears reproduce the stock forward and keep greedy outputs unchanged."""
+"""cpu_linear.py: the few-rows kernel and packed linears reproduce the stock forward and keep greedy outputs."""
 
 import copy
+import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import ARCHITECTURES, make_model, perturbed_copy
 from specdec import SpeculativeDecoder
-from specdec.cpu_linear import (PackedLinear, pack_linears, packing_supported, quantization_supported,
-                                 quantize_linears, unpack_linears)
+from specdec.cpu_linear import (FewRowsLinear, PackedLinear, build_kernel, few_rows_kernel, pack_linears,
+                                 packing_supported, quantization_supported, quantize_linears, unpack_linears)
 
-pytestmark = pytest.mark.skipif(not packing_supported(), reason="this torch build has no oneDNN")
+HAS_TOOLCHAIN = bool((shutil.which("c++") or shutil.which("g++")) and shutil.which("ninja"))
+needs_kernel = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compiler or ninja to build the kernel")
+# both ways pack_linears can go: our kernel, and oneDNN packing (what a machine without a compiler gets)
+KINDS = [pytest.param(True, id="few-rows", marks=needs_kernel),
+         pytest.param(False, id="packed", marks=pytest.mark.skipif(not packing_supported(), reason="no oneDNN"))]
 
 
+def _kind(few_rows: bool):
+    return FewRowsLinear if few_rows else PackedLinear
+
+
+@needs_kernel
+def test_kernel_builds_where_a_compiler_is():
+    assert few_rows_kernel()
+
+
+@needs_kernel
+@pytest.mark.parametrize("out_features,in_features", [(8, 16), (37, 53), (96, 1040), (3, 5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_linear_and_is_batch_invariant(out_features, in_features, bias):
+    assert few_rows_kernel()
+    generator = torch.Generator().manual_seed(out_features * in_features)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    b = torch.randn(out_features, generator=generator) if bias else None
+    x = torch.randn(20, in_features, generator=generator)
+    one_by_one = [torch.ops.specdec.few_rows_linear(x[i:i + 1], weight, b) for i in range(len(x))]
+    for rows in (1, 2, 3, 5, 8, 9, 16, 20):
+        out = torch.ops.specdec.few_rows_linear(x[:rows], weight, b)
+        torch.testing.assert_close(out, F.linear(x[:rows], weight, b), atol=1e-4, rtol=1e-5)
+        # each row summed in the same order whatever the number of rows: bitwise the one-row values
+        assert torch.equal(out, torch.cat(one_by_one[:rows]))
+
+
+@needs_kernel
+def test_kernel_rejects_what_it_cannot_compute():
+    assert few_rows_kernel()
+    x, weight = torch.randn(2, 8), torch.randn(4, 8)
+    for bad_x, bad_w in [(x.double(), weight.double()), (x, weight.t()), (torch.randn(2, 7), weight),
+                         (x, torch.randn(8, 4).t())]:
+        with pytest.raises(RuntimeError, match="few_rows_linear"):
+            torch.ops.specdec.few_rows_linear(bad_x, bad_w, None)
+
+
+@needs_kernel
+def test_a_broken_kernel_source_falls_back_with_a_warning(tmp_path, caplog):
+    source = tmp_path / "broken_kernel.cpp"
+    source.write_text("this is not C++\n")
+    assert build_kernel(source) is False
+    assert "could not be built" in caplog.text
+
+
+@pytest.mark.parametrize("few_rows", KINDS)
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_packed_forward_matches_stock(arch):
+def test_forward_matches_stock(arch, few_rows):
     stock = make_model(arch, seed=0, hidden=64, initializer_range=0.1)
-    packed = copy.deepcopy(stock)
-    assert pack_linears(packed) > 0
-    assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    fast = copy.deepcopy(stock)
+    assert pack_linears(fast, few_rows=few_rows) > 0
+    assert any(isinstance(m, _kind(few_rows)) for m in fast.modules())
     ids = torch.randint(0, 64, (1, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for rows in (1, 2, 5, 17):
-            torch.testing.assert_close(packed(input_ids=ids[:, :rows]).logits, stock(input_ids=ids[:, :rows]).logits,
+            torch.testing.assert_close(fast(input_ids=ids[:, :rows]).logits, stock(input_ids=ids[:, :rows]).logits,
                                        atol=1e-4, rtol=1e-4)
 
 
-def test_greedy_unchanged_and_reversible():
+@pytest.mark.parametrize("few_rows", KINDS)
+def test_greedy_unchanged_and_reversible(few_rows):
     stock = make_model("qwen2", seed=0, hidden=64, initializer_range=0.1)
     draft = perturbed_copy(stock, noise=0.3)
     reference = SpeculativeDecoder(draft, stock).generate([1, 2, 3], max_new_tokens=30, method="target",
                                                           temperature=0).token_ids
-    packed = copy.deepcopy(stock)
-    pack_linears(packed)
+    fast = copy.deepcopy(stock)
+    pack_linears(fast, few_rows=few_rows)
     for method in ("google", "deepmind", "target"):
-        assert SpeculativeDecoder(draft, packed).generate([1, 2, 3], max_new_tokens=30, method=method,
-                                                          temperature=0).token_ids == reference
-    assert unpack_linears(packed) > 0
-    assert not any(isinstance(m, PackedLinear) for m in packed.modules())
+        assert SpeculativeDecoder(draft, fast).generate([1, 2, 3], max_new_tokens=30, method=method,
+                                                        temperature=0).token_ids == reference
+    assert unpack_linears(fast) > 0
+    assert not any(isinstance(m, (FewRowsLinear, PackedLinear)) for m in fast.modules())
     ids = torch.tensor([[4, 5, 6]])
     with torch.no_grad():
-        torch.testing.assert_close(packed(input_ids=ids).logits, stock(input_ids=ids).logits)
+        torch.testing.assert_close(fast(input_ids=ids).logits, stock(input_ids=ids).logits)
 
 
-def test_unpacking_ties_a_tied_output_layer_again():
+@pytest.mark.parametrize("few_rows", KINDS)
+def test_unpacking_ties_a_tied_output_layer_again(few_rows):
     model = make_model("qwen2", seed=0, hidden=64, tie_word_embeddings=True)
     assert model.lm_head.weight is model.get_input_embeddings().weight
     ids = torch.tensor([[4, 5, 6]])
     with torch.no_grad():
         reference = model(input_ids=ids).logits
-        pack_linears(model)
-        assert isinstance(model.lm_head, PackedLinear)
+        pack_linears(model, few_rows=few_rows)
+        assert isinstance(model.lm_head, _kind(few_rows))
         assert len(list(model.parameters())) == len({id(p) for p in model.parameters()})  # no second copy
         unpack_linears(model)
         assert model.lm_head.weight is model.get_input_embeddings().weight
         assert torch.equal(model(input_ids=ids).logits, reference)
+
+
+@needs_kernel
+def test_few_rows_layers_share_the_stock_weights():
+    model = make_model("qwen2", seed=0, hidden=64, tie_word_embeddings=True)
+    weights = {name: p for name, p in model.named_parameters()}
+    pack_linears(model)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert {name: p for name, p in model.named_parameters()} == weights  # same names, same tensors: no copy
 
 
 def test_half_precision_is_left_alone():
@@ -63,7 +125,7 @@ def test_half_precision_is_left_alone():
 
 
 def _float_linears(model):
-    return [m for m in model.modules() if type(m) in (torch.nn.Linear, PackedLinear)]
+    return [m for m in model.modules() if type(m) in (torch.nn.Linear, FewRowsLinear, PackedLinear)]
 
 
 @pytest.mark.skipif(not quantization_supported(), reason="this torch build has no int8 engine")

@@ -364,8 +364,9 @@ def main(argv=None) -> int:
     for mode, method, i, rep, sweep_gamma in tqdm(plan, desc="bench", unit="run", file=sys.stderr):
         seed = args.seed + 1000 * rep + i
         if method in HF_METHODS:
-            # the target as from_pretrained loads it (switching back and forth is exact: the packed weights
-            # unpack to the same values, a tied output layer ties again)
+            # the target as from_pretrained loads it (switching back and forth is exact: the few-rows layers
+            # share the stock weights; oneDNN-packed ones unpack to the same values, a tied output layer ties
+            # again)
             use_stock_kernels(target)
             stats = run_hf(method, draft, target, encoded[i], args.max_new_tokens, MODES[mode], seed)
         else:

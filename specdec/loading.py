@@ -215,9 +215,10 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     """(draft_model, target_model, tokenizer) ready for SpeculativeDecoder; None or "default" is the default pair.
 
     `device_map` (e.g. "auto") spreads the target over several GPUs with accelerate; the draft stays on `device`.
-    `cpu_kernels`: pack float32 CPU linear layers once (specdec.cpu_linear), so verifying gamma tokens in one
-    target forward costs about what one token does, and let CPU attention over grouped heads skip copying the
-    cache per head (specdec.cpu_attention); models elsewhere or in half precision keep the library's kernels.
+    `cpu_kernels`: float32 CPU linear layers computed by our few-rows kernel (or packed once by oneDNN where it
+    cannot be built; specdec.cpu_linear), so verifying gamma tokens in one target forward costs about what one
+    token does, and CPU attention over grouped heads skips copying the cache per head (specdec.cpu_attention);
+    models elsewhere or in half precision keep the library's kernels.
     `draft_quantization`: "int8" (default) quantizes a float32 CPU draft's linear layers to int8, which makes
     proposing 2.5-3x cheaper; outputs stay exactly the target's, since the rejection rule uses the quantized
     draft's own probabilities. "none" (or None) keeps the draft as loaded. The target is never quantized.
@@ -253,7 +254,8 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
 
 
 def apply_cpu_kernels(draft_model, target_model, draft_quantization: str = "none", cpu_kernels: bool = True) -> bool:
-    """What `load_pair` does to a loaded pair, in place: the int8 draft, packed linears, grouped-head attention.
+    """What `load_pair` does to a loaded pair, in place: the int8 draft, few-rows (or packed) linears, grouped-head
+    attention.
 
     Each step touches float32 (or sdpa) CPU layers only; models on CUDA or in half precision are left as loaded.
     Returns whether the target's forward changed (so its verification cost may have).
@@ -273,7 +275,8 @@ def prepare_draft(draft_model, draft_quantization: str = "none", cpu_kernels: bo
 
 
 def use_cpu_kernels(model) -> bool:
-    """Packed linears and grouped-head attention for one model, in place. Returns whether anything changed."""
+    """Few-rows (or packed) linears and grouped-head attention for one model, in place. Returns whether anything
+    changed."""
     from .cpu_attention import use_gqa_attention
     from .cpu_linear import pack_linears
 

@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (TemperatureLogitsWarper, Top
 
 from conftest import make_model
 from specdec import SpeculativeDecoder
-from specdec.cpu_linear import quantization_supported, quantize_linears
+from specdec.cpu_linear import pack_linears, quantization_supported, quantize_linears
 from tiny_lm import TinyCausalLM
 
 VOCAB = 8
@@ -132,6 +132,21 @@ def test_int8_draft_samples_follow_target_distribution(llama_pair):
     assert quantize_linears(quantized) > 0
     expected = exact_distribution(target, *SETTINGS["t1"])
     counts = draw(SpeculativeDecoder(quantized, target), "google", SETTINGS["t1"], 5_000, seed=5)
+    assert goodness_of_fit(counts, expected, 5_000) > 1e-3
+
+
+@pytest.mark.statistical
+def test_cpu_kernel_pair_samples_follow_target_distribution(llama_pair):
+    """What load_pair does on CPU: both models' float32 linears on the few-rows kernel (or oneDNN packing where
+    it cannot be built), the draft in int8. Speculative samples follow the stock target's distribution."""
+    draft, target = llama_pair
+    fast_draft, fast_target = copy.deepcopy(draft), copy.deepcopy(target)
+    assert pack_linears(fast_target) > 0
+    if quantization_supported():
+        quantize_linears(fast_draft)
+    pack_linears(fast_draft)
+    expected = exact_distribution(target, *SETTINGS["t1"])
+    counts = draw(SpeculativeDecoder(fast_draft, fast_target), "deepmind", SETTINGS["t1"], 5_000, seed=11)
     assert goodness_of_fit(counts, expected, 5_000) > 1e-3
 
 

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 from .adaptive import expected_speedup, fit_alpha
 from .engine import SpeculativeDecoder
 from .kv_cache import input_device
-from .loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels, use_stock_kernels
+from .loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels
 
 OUR_METHODS = ("target", "draft", "google", "deepmind", "adaptive")
 HF_METHODS = ("hf_target", "hf_assisted")
@@ -93,12 +93,24 @@ def verification_cost(model, max_new: int, context: int = 128, repeats: int = 5)
 
 
 def ours_draft(draft, draft_quantization: str):
-    """Our methods' draft, as load_pair gives it: a copy of the stock draft (int8, packed, grouped-head attention
-    on CPU), so that the stock one stays for Hugging Face's assisted generation. On CUDA: the stock draft."""
+    """Our methods' draft, as load_pair gives it: a copy of the stock draft (int8, few-rows or packed linears,
+    grouped-head attention on CPU), so that the stock one stays for Hugging Face's assisted generation. On CUDA:
+    the stock draft."""
     if input_device(draft).type != "cpu":
         return draft
     ours = copy.deepcopy(draft)
     prepare_draft(ours, draft_quantization)
+    return ours
+
+
+def ours_target(target):
+    """Our methods' target, as load_pair gives it: a copy of the stock target (so in the process's own memory,
+    not the checkpoint's mapped pages) with the CPU kernels. Hugging Face's baselines keep the stock one, as
+    `from_pretrained` loads it. On CUDA: the stock target."""
+    if input_device(target).type != "cpu":
+        return target
+    ours = copy.deepcopy(target)
+    use_cpu_kernels(ours)
     return ours
 
 
@@ -356,21 +368,16 @@ def main(argv=None) -> int:
     plan += [("greedy", "google", i, 0, g) for i in range(min(args.sweep_prompts, len(prompts)))
              for g in sweep_gammas if "greedy" in modes]
     if any(method in OUR_METHODS for _, method, *_ in plan):
-        decoder = SpeculativeDecoder(ours_draft(draft, args.draft_quantization), target, tokenizer)
-        if use_cpu_kernels(target):
-            cost["ours"] = verification_cost(target, verify_width)
+        decoder = SpeculativeDecoder(ours_draft(draft, args.draft_quantization), ours_target(target), tokenizer)
+        if decoder.target_model is not target:
+            cost["ours"] = verification_cost(decoder.target_model, verify_width)
 
     runs = []
     for mode, method, i, rep, sweep_gamma in tqdm(plan, desc="bench", unit="run", file=sys.stderr):
         seed = args.seed + 1000 * rep + i
-        if method in HF_METHODS:
-            # the target as from_pretrained loads it (switching back and forth is exact: the few-rows layers
-            # share the stock weights; oneDNN-packed ones unpack to the same values, a tied output layer ties
-            # again)
-            use_stock_kernels(target)
+        if method in HF_METHODS:  # both models as from_pretrained loads them
             stats = run_hf(method, draft, target, encoded[i], args.max_new_tokens, MODES[mode], seed)
         else:
-            use_cpu_kernels(target)
             stats = run_ours(method, decoder, encoded[i], args.max_new_tokens, MODES[mode], seed,
                              sweep_gamma or args.gamma)
         runs.append({"mode": mode, "method": method, "prompt": prompts[i]["id"], "repeat": rep,

@@ -217,7 +217,8 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     `device_map` (e.g. "auto") spreads the target over several GPUs with accelerate; the draft stays on `device`.
     `cpu_kernels`: float32 CPU linear layers computed by our few-rows kernel (or packed once by oneDNN where it
     cannot be built; specdec.cpu_linear), so verifying gamma tokens in one target forward costs about what one
-    token does, and CPU attention over grouped heads skips copying the cache per head (specdec.cpu_attention);
+    token does, CPU attention over grouped heads skips copying the cache per head (specdec.cpu_attention), and
+    CPU weights are copied out of the memory-mapped checkpoint into the process's memory (`use_own_memory`);
     models elsewhere or in half precision keep the library's kernels.
     `draft_quantization`: "int8" (default) quantizes a float32 CPU draft's linear layers to int8, which makes
     proposing 2.5-3x cheaper; outputs stay exactly the target's, since the rejection rule uses the quantized
@@ -250,6 +251,9 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
         raise SpecDecError(f"the tokenizer has {len(tokenizer)} tokens but the models only {vocab_size} logits",
                            field="target_model")
     apply_cpu_kernels(draft_model, target_model, draft_quantization, cpu_kernels)
+    if cpu_kernels:
+        for model in (draft_model, target_model):
+            use_own_memory(model)
     return draft_model, target_model, tokenizer
 
 
@@ -289,6 +293,22 @@ def use_stock_kernels(model) -> bool:
     from .cpu_linear import unpack_linears
 
     return bool(unpack_linears(model) + restore_attention(model))
+
+
+def use_own_memory(model) -> int:
+    """Copy a model's CPU parameters into the process's own memory, in place; returns the bytes copied.
+
+    `from_pretrained` leaves safetensors weights memory-mapped from the checkpoint file, in the page cache. On our
+    CPUs a forward that streams all the weights runs about 20% faster from the process's own (anonymous) memory
+    (the target: 336-350 ms against 413-515 for one new token; see the README). A tied weight is one parameter,
+    copied once, and stays tied.
+    """
+    copied = 0
+    for param in model.parameters():
+        if param.device.type == "cpu":
+            param.data = param.data.clone()
+            copied += param.numel() * param.element_size()
+    return copied
 
 
 def resolve_draft_quantization(value: str | None) -> str:

@@ -267,3 +267,38 @@ def test_aliases_name_the_default_pair(monkeypatch, tmp_path):
     assert resolve_source("default", "target").path == folders[1]
     assert resolve_source("qwen2.5-coder-0.5b", "target").path == folders[0]
     assert resolve_source("Qwen2.5-Coder-1.5B-Instruct", "draft").path == folders[1]
+
+
+def _mapped_from(suffix: str) -> list[tuple[int, int]]:
+    """Address ranges of this process mapped from files whose name ends with `suffix`."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].endswith(suffix):
+                low, high = (int(x, 16) for x in fields[0].split("-"))
+                ranges.append((low, high))
+    return ranges
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_load_pair_copies_cpu_weights_out_of_the_mapped_checkpoint(tiny_pair_dirs):
+    def mapped(model):
+        ranges = _mapped_from(".safetensors")
+        return [name for name, p in model.named_parameters() if any(lo <= p.data_ptr() < hi for lo, hi in ranges)]
+
+    _, stock, _ = load_pair(*tiny_pair_dirs, device="cpu", cpu_kernels=False)
+    assert mapped(stock)  # what from_pretrained gives: weights in the checkpoint's mapped pages
+    draft, target, _ = load_pair(*tiny_pair_dirs, device="cpu")
+    assert not mapped(target) and not mapped(draft)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        torch.testing.assert_close(target(input_ids=ids).logits, stock(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_use_own_memory_keeps_tied_weights_tied():
+    model = make_model("qwen2", seed=0, hidden=64, tie_word_embeddings=True)
+    before = model.lm_head.weight.detach().clone()
+    assert loading.use_own_memory(model) == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    assert torch.equal(model.lm_head.weight, before)

@@ -1,9 +1,9 @@
 // Float32 linear layer for a few input rows (speculative verification: gamma + 1 <= 8 tokens) on CPU.
 //
 // out[m, n] = x[m, :] . weight[n, :] + bias[n], weight in nn.Linear's own row-major layout (no copy, no repacking).
-// Each weight row is read from memory once for all rows of x, so M rows cost about what one does: the product is
-// bound by memory bandwidth. Every output is summed in the same order whatever M is, so verifying gamma tokens
-// gives bitwise the logits of decoding them one by one. Written with GCC vector extensions: one source for
+// Each weight row is read from memory once for all rows of x, so M rows cost little more than one: the product is
+// bound by memory bandwidth. Every output is summed in the same order whatever M is, so a layer gives bitwise the
+// same values for a verification over gamma tokens as for decoding them one by one. Written with GCC vector extensions: one source for
 // AVX-512, AVX2 or anything else the compiler targets.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

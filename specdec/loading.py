@@ -251,21 +251,23 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
         raise SpecDecError(f"the tokenizer has {len(tokenizer)} tokens but the models only {vocab_size} logits",
                            field="target_model")
     apply_cpu_kernels(draft_model, target_model, draft_quantization, cpu_kernels)
-    if cpu_kernels:
-        for model in (draft_model, target_model):
-            use_own_memory(model)
     return draft_model, target_model, tokenizer
 
 
 def apply_cpu_kernels(draft_model, target_model, draft_quantization: str = "none", cpu_kernels: bool = True) -> bool:
     """What `load_pair` does to a loaded pair, in place: the int8 draft, few-rows (or packed) linears, grouped-head
-    attention.
+    attention, CPU weights in the process's own memory.
 
     Each step touches float32 (or sdpa) CPU layers only; models on CUDA or in half precision are left as loaded.
     Returns whether the target's forward changed (so its verification cost may have).
     """
     prepare_draft(draft_model, draft_quantization, cpu_kernels)
-    return cpu_kernels and use_cpu_kernels(target_model)
+    if not cpu_kernels:
+        return False
+    changed = use_cpu_kernels(target_model)
+    for model in (draft_model, target_model):
+        use_own_memory(model)
+    return changed
 
 
 def prepare_draft(draft_model, draft_quantization: str = "none", cpu_kernels: bool = True) -> None:
@@ -285,14 +287,6 @@ def use_cpu_kernels(model) -> bool:
     from .cpu_linear import pack_linears
 
     return bool(pack_linears(model) + use_gqa_attention(model))
-
-
-def use_stock_kernels(model) -> bool:
-    """Undo `use_cpu_kernels`: the layers and attention `from_pretrained` gives. Returns whether anything changed."""
-    from .cpu_attention import restore_attention
-    from .cpu_linear import unpack_linears
-
-    return bool(unpack_linears(model) + restore_attention(model))
 
 
 def use_own_memory(model) -> int:

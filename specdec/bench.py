@@ -2,11 +2,15 @@
 
 Methods: our target-only, draft-only, Google, DeepMind and adaptive-gamma speculative decoding, and Hugging
 Face `generate` target-only and assisted generation on the models exactly as `from_pretrained` loads them.
+One more baseline, `hf_assisted_own_memory`, is HF's assisted generation with the library's own layers on
+weights copied into the process's memory (ours are; `from_pretrained` maps them from the checkpoint file):
+how much of our lead over HF is the weights' memory rather than our kernels and loop.
 Only generated tokens count, never prompt tokens. Results go to JSON, a Markdown table and a PNG plot, with
 the command, the machine and the date.
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -24,10 +28,12 @@ from transformers import DynamicCache
 from .adaptive import expected_speedup, fit_alpha
 from .engine import SpeculativeDecoder
 from .kv_cache import input_device
+from .cpu_attention import restore_attention
+from .cpu_linear import unpack_linears
 from .loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels
 
 OUR_METHODS = ("target", "draft", "google", "deepmind", "adaptive")
-HF_METHODS = ("hf_target", "hf_assisted")
+HF_METHODS = ("hf_target", "hf_assisted", "hf_assisted_own_memory")
 MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
          "sampling": dict(temperature=1.0, top_k=0, top_p=0.9)}
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
@@ -114,6 +120,18 @@ def ours_target(target):
     return ours
 
 
+@contextlib.contextmanager
+def stock_layers(model):
+    """`model` with the library's own linear layers and attention for the duration, on the same weights (nothing
+    copied on this machine: few-rows layers share nn.Linear's weight), then our kernels again."""
+    changed = unpack_linears(model) + restore_attention(model)
+    try:
+        yield model
+    finally:
+        if changed:
+            use_cpu_kernels(model)
+
+
 def run_hf(method: str, draft, target, ids: list[int], max_new_tokens: int, mode: dict, seed: int) -> dict:
     """One Hugging Face generate call; returns generated tokens and seconds."""
     device = target.get_input_embeddings().weight.device
@@ -124,7 +142,7 @@ def run_hf(method: str, draft, target, ids: list[int], max_new_tokens: int, mode
         kwargs.update(temperature=mode["temperature"], top_k=mode["top_k"], top_p=mode["top_p"])
     else:
         kwargs.update(temperature=None, top_k=None, top_p=None)
-    if method == "hf_assisted":
+    if method in ("hf_assisted", "hf_assisted_own_memory"):
         kwargs["assistant_model"] = draft
     torch.manual_seed(seed)
     start = time.perf_counter()
@@ -205,6 +223,7 @@ def summarise(runs: list[dict], gamma: int) -> dict:
                                                 / sum(r["total_seconds"] for r in rs))
             rows[method] = row
         base, hf_assisted = rows.get("target", {}).get("tokens_per_second"), rows.get("hf_assisted", {})
+        hf_own = rows.get("hf_assisted_own_memory", {})
         decode_base = rows.get("target", {}).get("decode_tokens_per_second")
         # what each forward costs inside the speculative loop, against the same model decoding alone: on a CPU
         # whose cache holds one model but not both, alternating draft and target makes each dearer
@@ -227,6 +246,8 @@ def summarise(runs: list[dict], gamma: int) -> dict:
                     row["decode_efficiency_in_loop"] = row["decode_speedup_vs_target"] / row["in_loop_bound"]
             if hf_assisted.get("tokens_per_second") and row["tokens_per_second"]:
                 row["speedup_vs_hf_assisted"] = row["tokens_per_second"] / hf_assisted["tokens_per_second"]
+            if hf_own.get("tokens_per_second") and row["tokens_per_second"]:
+                row["speedup_vs_hf_assisted_own_memory"] = row["tokens_per_second"] / hf_own["tokens_per_second"]
             if row.get("leviathan_bound") and row.get("speedup_vs_target"):
                 row["efficiency"] = row["speedup_vs_target"] / row["leviathan_bound"]
         sweep = {}
@@ -256,13 +277,14 @@ def markdown(report: dict) -> str:
     for mode, block in report["summary"].items():
         lines += [f"## {mode} ({', '.join(f'{k}={v}' for k, v in MODES[mode].items())})", "",
                   f"Measured cost ratio c (draft/target time per token): {fmt(block['cost_ratio_c'], '.3f')}", "",
-                  "| method | tokens/s | vs target | vs HF assisted | acceptance rate | alpha | tokens/target fwd "
-                  "| mean gamma | Leviathan bound | efficiency | outside forwards |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| method | tokens/s | vs target | vs HF assisted | vs HF assisted, own memory | acceptance rate "
+                  "| alpha | tokens/target fwd | mean gamma | Leviathan bound | efficiency | outside forwards |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for method, row in block["methods"].items():
             lines.append(
                 f"| {method} | {fmt(row['tokens_per_second'])} | {fmt(row.get('speedup_vs_target'))}x "
-                f"| {fmt(row.get('speedup_vs_hf_assisted'))}x | {fmt(row.get('acceptance_rate'))} "
+                f"| {fmt(row.get('speedup_vs_hf_assisted'))}x | {fmt(row.get('speedup_vs_hf_assisted_own_memory'))}x "
+                f"| {fmt(row.get('acceptance_rate'))} "
                 f"| {fmt(row.get('alpha'))} "
                 f"| {fmt(row.get('tokens_per_target_forward'))} | {fmt(row.get('mean_gamma'))} "
                 f"| {fmt(row.get('leviathan_bound'))} | {fmt(row.get('efficiency'))} "
@@ -367,15 +389,22 @@ def main(argv=None) -> int:
             for method in methods]
     plan += [("greedy", "google", i, 0, g) for i in range(min(args.sweep_prompts, len(prompts)))
              for g in sweep_gammas if "greedy" in modes]
-    if any(method in OUR_METHODS for _, method, *_ in plan):
+    planned = {method for _, method, *_ in plan}
+    if planned & {*OUR_METHODS, "hf_assisted_own_memory"}:
         decoder = SpeculativeDecoder(ours_draft(draft, args.draft_quantization), ours_target(target), tokenizer)
         if decoder.target_model is not target:
             cost["ours"] = verification_cost(decoder.target_model, verify_width)
+    # HF on weights in the process's memory: our target's copy with stock layers, and a float copy of the draft
+    own_draft = copy.deepcopy(draft) if "hf_assisted_own_memory" in planned and input_device(draft).type == "cpu" \
+        else draft
 
     runs = []
     for mode, method, i, rep, sweep_gamma in tqdm(plan, desc="bench", unit="run", file=sys.stderr):
         seed = args.seed + 1000 * rep + i
-        if method in HF_METHODS:  # both models as from_pretrained loads them
+        if method == "hf_assisted_own_memory":
+            with stock_layers(decoder.target_model) as own_target:
+                stats = run_hf(method, own_draft, own_target, encoded[i], args.max_new_tokens, MODES[mode], seed)
+        elif method in HF_METHODS:  # both models as from_pretrained loads them
             stats = run_hf(method, draft, target, encoded[i], args.max_new_tokens, MODES[mode], seed)
         else:
             stats = run_ours(method, decoder, encoded[i], args.max_new_tokens, MODES[mode], seed,

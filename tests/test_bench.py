@@ -28,6 +28,7 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
     table = (out / "results.md").read_text()
     assert "| google |" in table and "| hf_assisted |" in table and report["machine"]["torch"]
+    assert "| hf_assisted_own_memory |" in table and "vs HF assisted, own memory" in table
     for mode in ("greedy", "sampling"):
         block = report["summary"][mode]
         assert set(block["methods"]) == set(bench.OUR_METHODS + bench.HF_METHODS)
@@ -39,6 +40,8 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
         assert block["methods"]["target"]["decode_speedup_vs_target"] == 1.0
         assert google["first_chunk_seconds"] > 0 and google["decode_efficiency"] > 0
         assert block["methods"]["hf_assisted"]["decode_tokens_per_second"] is None  # generate gives no rounds
+        own = block["methods"]["hf_assisted_own_memory"]
+        assert own["tokens_per_second"] > 0 and google["speedup_vs_hf_assisted_own_memory"] > 0
     assert "decode efficiency" in table
     assert set(report["summary"]["greedy"]["gamma_sweep"]) == {"1", "3"}  # JSON object keys
     assert report["draft_quantization"] == "int8" and "quantization int8" in table
@@ -56,6 +59,28 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     assert "in-loop bound" in table
     # generated tokens only: never more than max_new_tokens per run
     assert all(0 < run["new_tokens"] <= 6 for run in report["runs"])
+
+
+def test_stock_layers_lends_our_target_to_hugging_face_and_gives_it_back():
+    from torch import nn
+
+    from conftest import make_model
+    from specdec.cpu_attention import GQA_ATTENTION
+    from specdec.cpu_linear import FewRowsLinear, PackedLinear
+    from specdec.loading import use_cpu_kernels
+
+    model = make_model("qwen2", hidden=64)
+    assert use_cpu_kernels(model)
+    ours = {type(m) for m in model.modules()} & {FewRowsLinear, PackedLinear}
+    weights = {name: p.data_ptr() for name, p in model.named_parameters()}
+    with bench.stock_layers(model) as stock:
+        assert stock is model and model.config._attn_implementation == "sdpa"
+        assert not {type(m) for m in model.modules()} & {FewRowsLinear, PackedLinear}
+        assert isinstance(model.lm_head, nn.Linear)
+        if FewRowsLinear in ours:  # the same weights, not copies
+            assert {name: p.data_ptr() for name, p in model.named_parameters()} == weights
+    assert model.config._attn_implementation == GQA_ATTENTION
+    assert {type(m) for m in model.modules()} & {FewRowsLinear, PackedLinear} == ours
 
 
 def test_summary_bound_uses_measured_acceptance_and_cost():

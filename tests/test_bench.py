@@ -61,6 +61,19 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     assert all(0 < run["new_tokens"] <= 6 for run in report["runs"])
 
 
+def test_linear_micro_benchmark_runs_on_small_shapes():
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "linear.py"), "--rows", "1,5", "--repeats", "1",
+                           "--shapes", "64x48,40x80", "--stack-mb", "0.1"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("| 64 x 48") or line.startswith("| 40 x 80")]
+    assert len(lines) == 4 and "F.linear" in done.stdout
+    header = next(line for line in done.stdout.splitlines() if line.startswith("| weight"))
+    kernels = header.strip("| ").split(" | ")[3:]
+    assert kernels[0] == "F.linear"
+    for line in lines:  # one time per kernel, each a number
+        assert [float(cell) >= 0 for cell in line.strip("| ").split(" | ")[3:]] == [True] * len(kernels)
+
+
 def test_stock_layers_lends_our_target_to_hugging_face_and_gives_it_back():
     from torch import nn
 

@@ -184,6 +184,39 @@ def per_forward_ms(runs: list[dict], role: str) -> float | None:
     return 1e3 * seconds / forwards if forwards else None
 
 
+def per_prompt(rows: dict, by_method: dict, c: float | None) -> None:
+    """Medians over prompts (and repeats) of each method's own ratios: speedup over our target-only and over HF
+    assisted on the same prompt, and efficiency against the bound for that prompt's alpha and gamma (with the
+    run's c). Stricter than the headline efficiency, which sets a median speedup against the bound for the alpha
+    pooled over all prompts: prompts with low acceptance run more rounds and pull the pooled alpha below the
+    typical prompt's."""
+    def keyed(method):
+        return {(r.get("prompt"), r.get("repeat")): r for r in by_method.get(method, []) if r["new_tokens"]}
+
+    def rate(r):
+        return r["new_tokens"] / r["total_seconds"]
+
+    target, hf_assisted = keyed("target"), keyed("hf_assisted")
+    for method, row in rows.items():
+        runs = keyed(method)
+        speedups = [rate(r) / rate(target[k]) for k, r in runs.items() if k in target]
+        if speedups and target:
+            row["prompt_speedup_vs_target"] = statistics.median(speedups)
+        over_hf = [rate(r) / rate(hf_assisted[k]) for k, r in runs.items() if k in hf_assisted]
+        if over_hf:
+            row["prompt_speedup_vs_hf_assisted"] = statistics.median(over_hf)
+        if c is None or row.get("alpha") is None:
+            continue
+        efficiencies = []
+        for k, r in runs.items():
+            if k in target and r.get("rounds") and r.get("proposed"):
+                mean_gamma = r["proposed"] / r["rounds"]
+                alpha = fit_alpha(r["new_tokens"] / r["rounds"], mean_gamma)
+                efficiencies.append(rate(r) / rate(target[k]) / leviathan_bound(alpha, mean_gamma, c))
+        if efficiencies:
+            row["prompt_efficiency"] = statistics.median(efficiencies)
+
+
 def summarise(runs: list[dict], gamma: int) -> dict:
     """Per mode and method: median tokens/s, speedups, acceptance, tokens per target forward, c, bound."""
     summary = {}
@@ -250,6 +283,7 @@ def summarise(runs: list[dict], gamma: int) -> dict:
                 row["speedup_vs_hf_assisted_own_memory"] = row["tokens_per_second"] / hf_own["tokens_per_second"]
             if row.get("leviathan_bound") and row.get("speedup_vs_target"):
                 row["efficiency"] = row["speedup_vs_target"] / row["leviathan_bound"]
+        per_prompt(rows, by_method, c)
         sweep = {}
         for r in runs:
             if r["mode"] == mode and r["sweep_gamma"] is not None:
@@ -298,6 +332,15 @@ def markdown(report: dict) -> str:
             lines += [f"| {m} | {fmt(row['first_chunk_seconds'])} | {fmt(row['decode_tokens_per_second'])} "
                       f"| {fmt(row.get('decode_speedup_vs_target'))}x | {fmt(row.get('decode_efficiency'))} |"
                       for m, row in steady.items()]
+        paired = {m: row for m, row in block["methods"].items() if row.get("prompt_speedup_vs_target")}
+        if paired:
+            lines += ["", "Per prompt: the median over prompts of each prompt's own ratio (speedup on that prompt, and "
+                      "efficiency against the bound for that prompt's alpha, with the run's c). Stricter than the "
+                      "efficiency above, whose bound uses the alpha pooled over all prompts.", "",
+                      "| method | vs target | vs HF assisted | efficiency |", "|---|---|---|---|"]
+            lines += [f"| {m} | {fmt(row['prompt_speedup_vs_target'])}x "
+                      f"| {fmt(row.get('prompt_speedup_vs_hf_assisted'))}x | {fmt(row.get('prompt_efficiency'))} |"
+                      for m, row in paired.items()]
         loop = {m: row for m, row in block["methods"].items() if row.get("draft_ms_per_forward")
                 or row.get("target_ms_per_forward")}
         if loop:

@@ -35,14 +35,14 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
         assert block["methods"]["target"]["speedup_vs_target"] == 1.0
         google = block["methods"]["google"]
         assert 0 <= google["acceptance_rate"] <= 1
-        assert google["leviathan_bound"] > 0 and google["efficiency"] > 0
+        assert google["leviathan_bound"] > 0 and google["efficiency"] > 0 and google["prompt_efficiency"] > 0
         assert block["cost_ratio_c"] > 0
         assert block["methods"]["target"]["decode_speedup_vs_target"] == 1.0
         assert google["first_chunk_seconds"] > 0 and google["decode_efficiency"] > 0
         assert block["methods"]["hf_assisted"]["decode_tokens_per_second"] is None  # generate gives no rounds
         own = block["methods"]["hf_assisted_own_memory"]
         assert own["tokens_per_second"] > 0 and google["speedup_vs_hf_assisted_own_memory"] > 0
-    assert "decode efficiency" in table
+    assert "decode efficiency" in table and "Per prompt" in table
     assert set(report["summary"]["greedy"]["gamma_sweep"]) == {"1", "3"}  # JSON object keys
     assert report["draft_quantization"] == "int8" and "quantization int8" in table
     # prompt-major order: every method, HF's included, runs on a prompt before the next one (drift hits all
@@ -111,6 +111,24 @@ def test_summary_bound_uses_measured_acceptance_and_cost():
     assert google["leviathan_bound"] == pytest.approx(expected_speedup(alpha, 4, 0.25))
     assert google["efficiency"] == pytest.approx(1.6 / expected_speedup(alpha, 4, 0.25))
     assert "decode_efficiency" not in google  # no steady-state figures in these runs
+
+
+def test_summary_per_prompt_ratios_pair_each_prompt_with_its_own_baselines():
+    def run(method, prompt, tokens, seconds, **extra):
+        return {"mode": "greedy", "method": method, "sweep_gamma": None, "prompt": prompt, "repeat": 0,
+                "new_tokens": tokens, "total_seconds": seconds, **extra}
+
+    runs = [run("target", "a", 10, 1.0), run("draft", "a", 10, 0.2), run("hf_assisted", "a", 10, 2.0),
+            run("google", "a", 20, 1.0, proposed=16, accepted=16, rounds=4, target_forwards=4),  # all accepted
+            run("target", "b", 10, 2.0), run("draft", "b", 10, 0.4), run("hf_assisted", "b", 10, 1.0),
+            run("google", "b", 10, 2.5, proposed=20, accepted=5, rounds=5, target_forwards=5)]  # 2 per round
+    google = bench.summarise(runs, gamma=4)["greedy"]["methods"]["google"]
+    assert google["prompt_speedup_vs_target"] == pytest.approx((2.0 + 0.8) / 2)  # 20 vs 10 tok/s, 4 vs 5
+    assert google["prompt_speedup_vs_hf_assisted"] == pytest.approx((4.0 + 0.4) / 2)
+    c = 0.2  # draft 0.02 s/token against target 0.1 on a, 0.04 against 0.2 on b
+    expected = [2.0 / bench.leviathan_bound(fit_alpha(5.0, 4), 4, c), 0.8 / bench.leviathan_bound(fit_alpha(2.0, 4), 4, c)]
+    assert google["prompt_efficiency"] == pytest.approx(sum(expected) / 2)
+    assert "prompt_efficiency" not in bench.summarise(runs, gamma=4)["greedy"]["methods"]["target"]
 
 
 def test_summary_steady_state_leaves_out_the_first_round():

@@ -187,9 +187,9 @@ def per_forward_ms(runs: list[dict], role: str) -> float | None:
 def per_prompt(rows: dict, by_method: dict, c: float | None) -> None:
     """Medians over prompts (and repeats) of each method's own ratios: speedup over our target-only and over HF
     assisted on the same prompt, and efficiency against the bound for that prompt's alpha and gamma (with the
-    run's c). Stricter than the headline efficiency, which sets a median speedup against the bound for the alpha
-    pooled over all prompts: prompts with low acceptance run more rounds and pull the pooled alpha below the
-    typical prompt's."""
+    run's c). The headline efficiency instead sets a median speedup against the bound for the alpha pooled over
+    all prompts, where prompts with low acceptance weigh more (they run more rounds); when acceptance varies from
+    prompt to prompt, the two can differ either way."""
     def keyed(method):
         return {(r.get("prompt"), r.get("repeat")): r for r in by_method.get(method, []) if r["new_tokens"]}
 
@@ -335,8 +335,9 @@ def markdown(report: dict) -> str:
         paired = {m: row for m, row in block["methods"].items() if row.get("prompt_speedup_vs_target")}
         if paired:
             lines += ["", "Per prompt: the median over prompts of each prompt's own ratio (speedup on that prompt, and "
-                      "efficiency against the bound for that prompt's alpha, with the run's c). Stricter than the "
-                      "efficiency above, whose bound uses the alpha pooled over all prompts.", "",
+                      "efficiency against the bound for that prompt's alpha, with the run's c). The efficiency above "
+                      "uses the alpha pooled over all prompts instead; the two differ when acceptance varies from "
+                      "prompt to prompt.", "",
                       "| method | vs target | vs HF assisted | efficiency |", "|---|---|---|---|"]
             lines += [f"| {m} | {fmt(row['prompt_speedup_vs_target'])}x "
                       f"| {fmt(row.get('prompt_speedup_vs_hf_assisted'))}x | {fmt(row.get('prompt_efficiency'))} |"

@@ -74,6 +74,19 @@ def test_linear_micro_benchmark_runs_on_small_shapes():
         assert [float(cell) >= 0 for cell in line.strip("| ").split(" | ")[3:]] == [True] * len(kernels)
 
 
+def test_forward_costs_take_turns_by_width():
+    from conftest import make_model
+
+    model = make_model("qwen2", hidden=64)
+    seen = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1]),
+                                    with_kwargs=True)
+    ms = bench.forward_ms_by_width(model, 16, [1, 3, 5], "cpu", repeats=3)
+    assert set(ms) == {1, 3, 5} and all(v > 0 for v in ms.values())
+    assert seen == [16] + [1, 3, 5] * 5  # the prefill, then 2 warm-up rounds and 3 measured, widths in turn
+    assert bench.verification_cost(model, 2, context=8, repeats=1)["relative"][1] == 1.0
+
+
 def test_stock_layers_lends_our_target_to_hugging_face_and_gives_it_back():
     from torch import nn
 

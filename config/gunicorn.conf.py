@@ -10,9 +10,7 @@ overridden on its command line or in GUNICORN_CMD_ARGS.
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
-
-from specdec.config import ConfigError, load_settings  # noqa: E402
+from specdec.serve.config import ConfigError, load_settings
 
 try:
     _settings = load_settings()

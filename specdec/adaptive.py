@@ -44,9 +44,15 @@ def fit_alpha(tokens_per_round: float, gamma: float) -> float:
     return low
 
 
-def best_gamma(alpha: float, c: float, max_gamma: int) -> int:
-    """The gamma in [1, max_gamma] with the largest expected speedup (the smallest one on ties)."""
-    return max(range(1, max_gamma + 1), key=lambda g: (expected_speedup(alpha, g, c), -g))
+def best_gamma(alpha: float, c: float, max_gamma: int, extra_draft_forwards: int = 0) -> int:
+    """The gamma in [1, max_gamma] with the largest expected speedup (the smallest one on ties).
+
+    `extra_draft_forwards`: draft forwards a round takes beyond gamma (1 when the last proposal replaces the
+    bonus token)."""
+    def speedup(g: int) -> float:
+        return expected_tokens(alpha, g) / ((g + extra_draft_forwards) * c + 1)
+
+    return max(range(1, max_gamma + 1), key=lambda g: (speedup(g), -g))
 
 
 class CostProfile:
@@ -113,8 +119,10 @@ class AdaptiveGamma:
     round's gamma."""
 
     def __init__(self, initial: int = 4, max_gamma: int = 8, prior_alpha: float = 0.7, prior_weight: float = 4.0,
-                 costs: CostProfile | None = None):
+                 costs: CostProfile | None = None, bonus: bool = True):
         self.initial = initial
+        # bonus=False: a round of gamma takes gamma + 1 draft forwards (its last proposal replaces the bonus token)
+        self.draft_forwards_extra = 0 if bonus else 1
         self.max_gamma = max_gamma
         self.prior_alpha = prior_alpha
         self.prior_weight = prior_weight
@@ -147,10 +155,11 @@ class AdaptiveGamma:
             return min(self.initial, self.max_gamma)
         alpha = min(self.alpha, 0.999)
         if not self.costs.target_by_width:
-            return best_gamma(alpha, c, self.max_gamma)
+            return best_gamma(alpha, c, self.max_gamma, self.draft_forwards_extra)
         draft = self.costs.draft[0]
 
         def tokens_per_second(gamma: int) -> float:
-            return expected_tokens(alpha, gamma) / (gamma * draft + self.costs.target_cost(gamma + 1))
+            draft_forwards = gamma + self.draft_forwards_extra
+            return expected_tokens(alpha, gamma) / (draft_forwards * draft + self.costs.target_cost(gamma + 1))
 
         return max(range(1, self.max_gamma + 1), key=lambda g: (tokens_per_second(g), -g))

@@ -14,11 +14,14 @@ import random
 import sys
 
 from .errors import SpecDecError
+from .params import MAX_GAMMA, METHODS, MIN_TEMPERATURE, SamplingParams
+from .stats import GenerationStats, summed
+from .text import decoder_of, encode_prompt, token_pieces
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_INPUT = "Any recommendations for my holidays in Abu Dhabi?"  # the earlier tool's default prompt
-ALL_ORDER = ("target", "draft", "deepmind", "google")  # the earlier tool's order for --method all
+ALL_ORDER = METHODS  # --method all runs them in the earlier tool's order: target, draft, deepmind, google
 TITLES = {
     "target": "target only (autoregressive)",
     "draft": "draft only (autoregressive)",
@@ -47,10 +50,22 @@ def _checked(convert, test, message):
     return parse
 
 
+def _sampling_flag(name: str, convert, message: str):
+    """An argparse type for a sampling parameter: converted here, checked by SamplingParams (the one place that
+    knows the bounds), so a bad value is one line naming the flag."""
+    def valid(value) -> bool:
+        try:
+            SamplingParams(**{name: value})
+        except SpecDecError:
+            return False
+        return True
+    return _checked(convert, valid, message)
+
+
 def _gamma(text):
     if text == "auto":
         return None
-    return _checked(int, lambda g: 1 <= g <= 64, "must be an integer from 1 to 64, or auto")(text)
+    return _sampling_flag("gamma", int, f"must be an integer from 1 to {MAX_GAMMA}, or auto")(text)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -75,15 +90,15 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
                         help="mark each token by its source (coloured on a terminal) and log progress")
     parser.add_argument("-s", "--seed", type=_checked(int, lambda s: s >= 0, "must be a non-negative integer"),
                         default=None, help="random seed, shared by all methods (default: random)")
-    parser.add_argument("-M", "--max_tokens", type=_checked(int, lambda n: n >= 1, "must be an integer >= 1"),
+    parser.add_argument("-M", "--max_tokens", type=_sampling_flag("max_new_tokens", int, "must be an integer >= 1"),
                         default=20, help="tokens to generate (default 20)")
     parser.add_argument("-g", "--gamma", type=_gamma, default=4,
                         help="draft tokens proposed per round, or auto for adaptive (default 4)")
-    parser.add_argument("--temperature", type=_checked(float, lambda t: 0 <= t < float("inf"), "must be >= 0"),
+    parser.add_argument("--temperature", type=_sampling_flag("temperature", float, f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}"),
                         default=1.0, help="0 is greedy (default 1.0)")
-    parser.add_argument("--top_k", type=_checked(int, lambda k: k >= 0, "must be an integer >= 0"), default=20,
+    parser.add_argument("--top_k", type=_sampling_flag("top_k", int, "must be an integer >= 0"), default=20,
                         help="keep the k most likely tokens, 0 keeps all (default 20, as the earlier tool)")
-    parser.add_argument("--top_p", type=_checked(float, lambda p: 0 < p <= 1, "must be in (0, 1]"), default=0.9,
+    parser.add_argument("--top_p", type=_sampling_flag("top_p", float, "must be in (0, 1]"), default=0.9,
                         help="nucleus sampling mass (default 0.9, as the earlier tool)")
     parser.add_argument("--chat", action="store_true", help="wrap the input in the target's chat template")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
@@ -106,32 +121,6 @@ def use_color(stream=None, environ=None) -> bool:
     stream = sys.stdout if stream is None else stream
     environ = os.environ if environ is None else environ
     return not environ.get("NO_COLOR") and hasattr(stream, "isatty") and stream.isatty()
-
-
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
-    """Token ids of the prompt, optionally as one user turn in the chat template, ready for the reply."""
-    if not text:
-        raise SpecDecError("the input is empty", field="input")
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise SpecDecError("the target's tokenizer has no chat template; drop --chat", field="chat")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(text)["input_ids"]
-
-
-def token_pieces(tokenizer, token_ids: list[int]) -> list[str]:
-    """The text each token adds; a token ending inside a multi-byte character shows with the next one."""
-    pieces, shown = [], ""
-    for i in range(len(token_ids)):
-        text = tokenizer.decode(token_ids[: i + 1], skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        if text.endswith("\ufffd") and i + 1 < len(token_ids):
-            pieces.append("")
-            continue
-        pieces.append(text[len(shown):] if text.startswith(shown) else text)
-        shown = text
-    return pieces
 
 
 def render_sources(pieces: list[str], sources: list[str], color: bool) -> str:
@@ -157,32 +146,25 @@ def _number(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def stats_line(stats: dict) -> str:
+def stats_line(stats: GenerationStats) -> str:
     """Tokens, tokens/s (generated tokens only), acceptance rate, tokens per target forward."""
-    return (f"{stats['new_tokens']} tokens | {_number(stats['tokens_per_second'], '.2f')} tokens/s | "
-            f"acceptance {_number(stats['acceptance_rate'], '.2f')} | "
-            f"{_number(stats['tokens_per_target_forward'], '.2f')} tokens per target forward")
+    return (f"{stats.new_tokens} tokens | {_number(stats.tokens_per_second, '.2f')} tokens/s | "
+            f"acceptance {_number(stats.acceptance_rate, '.2f')} | "
+            f"{_number(stats.tokens_per_target_forward, '.2f')} tokens per target forward")
 
 
-def _generate(decoder, prompt, method: str, args, seed: int):
-    return decoder.generate(prompt, max_new_tokens=args.max_tokens, method=method, gamma=args.gamma,
-                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
+def sampling_params(args, method: str, seed: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=args.max_tokens, method=method, gamma=args.gamma,
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
 
 
 def benchmark(decoder, prompt, methods, args, seed: int) -> list[dict]:
     """Each method `args.repeats` times (seeds seed, seed+1, ...): generated tokens/s and speedup over target."""
     rows = []
     for method in methods:
-        tokens = seconds = accepted = proposed = 0
-        for i in range(args.repeats):
-            stats = _generate(decoder, prompt, method, args, seed + i).stats
-            tokens += stats["new_tokens"]
-            seconds += stats["total_seconds"]
-            accepted += stats["accepted"]
-            proposed += stats["proposed"]
-        rows.append({"method": method, "tokens": tokens, "seconds": seconds,
-                     "tokens_per_second": tokens / seconds if seconds > 0 else None,
-                     "acceptance_rate": accepted / proposed if proposed else None})
+        runs = [decoder.generate(prompt, params=sampling_params(args, method, seed + i)).stats
+                for i in range(args.repeats)]
+        rows.append({"method": method, **summed(runs)})
     baseline = next(row["tokens_per_second"] for row in rows if row["method"] == "target")
     for row in rows:
         speed = row["tokens_per_second"]
@@ -211,7 +193,12 @@ def run(args, out=None) -> int:
                                          trust_remote_code=args.trust_remote_code,
                                          draft_quantization=args.draft_quantization)
     decoder = SpeculativeDecoder(draft, target, tokenizer)
+    if not args.input:
+        raise SpecDecError("the input is empty", field="input")
+    if args.chat and not getattr(tokenizer, "chat_template", None):
+        raise SpecDecError("the target's tokenizer has no chat template; drop --chat", field="chat")
     prompt = encode_prompt(tokenizer, args.input, args.chat)
+    decode = decoder_of(tokenizer)
     methods = ALL_ORDER if args.method == "all" else (args.method,)
     seed = args.seed if args.seed is not None else random.randrange(2**31)  # one seed for all methods
     color = use_color(out)
@@ -221,12 +208,12 @@ def run(args, out=None) -> int:
               f"temperature {args.temperature}, top_k {args.top_k}, top_p {args.top_p}", file=out)
         print(legend(SOURCE_STYLES, color), file=out)
     for method in methods:
-        result = _generate(decoder, prompt, method, args, seed)
+        result = decoder.generate(prompt, params=sampling_params(args, method, seed))
         print(f"== {method}: {TITLES[method]} ==", file=out)
         if args.verbose:
-            print(render_sources(token_pieces(tokenizer, result.token_ids), result.sources, color), file=out)
+            print(render_sources(token_pieces(decode, result.token_ids, prompt), result.sources, color), file=out)
         else:
-            print(tokenizer.decode(result.token_ids, skip_special_tokens=True), file=out)
+            print(decode(result.token_ids), file=out)
         print(stats_line(result.stats), file=out)
 
     if args.benchmark:
@@ -257,3 +244,8 @@ def main(argv=None, prog: str = "main.py") -> int:
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def console() -> int:
+    """The `specdec` console script."""
+    return main(prog="specdec")

@@ -5,27 +5,26 @@ out. Nothing here prints; per-round detail goes to the DEBUG log.
 """
 
 import logging
-import math
 import os
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
 
 import torch
 
 from .adaptive import AdaptiveGamma, CostProfile
 from .errors import SpecDecError
 from .kv_cache import CachedModel, context_length
+from .params import ADAPTIVE_MAX_GAMMA, MAX_GAMMA, METHODS, MIN_TEMPERATURE, SPECULATIVE_METHODS, SamplingParams
 from .sampling import logits_to_probs, sample
+from .stats import GenerationStats
 from .verification import accept_mask, num_accepted, residual_probs
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("google", "deepmind", "target", "draft")
-SPECULATIVE_METHODS = ("google", "deepmind")
-MAX_GAMMA = 64  # a hard bound on proposals per round; adaptive gamma stays far below it
-ADAPTIVE_MAX_GAMMA = 8
-MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32; 0 means greedy
+__all__ = ["ADAPTIVE_MAX_GAMMA", "MAX_GAMMA", "METHODS", "MIN_TEMPERATURE", "SPECULATIVE_METHODS", "Chunk",
+           "GenerationResult", "GenerationStats", "SamplingParams", "SpeculativeDecoder", "Stream",
+           "check_vocabularies", "eos_token_ids"]
 
 
 @dataclass
@@ -43,7 +42,7 @@ class GenerationResult:
     token_ids: list[int]
     sources: list[str]
     finish_reason: str  # "length" | "stop"
-    stats: dict = field(default_factory=dict)
+    stats: GenerationStats | None = None
 
 
 def check_vocabularies(draft_model, target_model, tokenizer=None) -> int:
@@ -66,41 +65,45 @@ def check_vocabularies(draft_model, target_model, tokenizer=None) -> int:
     return shared
 
 
-def _int_param(value, name: str, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecDecError(f"{name} must be an integer, got {value!r}", field=name)
-    if value < low or (high is not None and value > high):
-        bound = f">= {low}" if high is None else f"between {low} and {high}"
-        raise SpecDecError(f"{name} must be {bound}, got {value}", field=name)
-    return value
-
-
-def _float_param(value, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise SpecDecError(f"{name} must be a finite number, got {value!r}", field=name)
-    return float(value)
-
-
-def _eos_ids(eos_token_id, target_model) -> set[int]:
+def eos_token_ids(target_model, tokenizer=None, eos_token_id=None) -> set[int]:
+    """The ids that end a generation: `eos_token_id` if given (an int, a list or a tensor), else the target's
+    generation config's (or its config's), together with the tokenizer's eos token if a tokenizer is given."""
     if eos_token_id is None:
         config = getattr(target_model, "generation_config", None)
         eos_token_id = getattr(config, "eos_token_id", None)
         if eos_token_id is None:
             eos_token_id = getattr(target_model.config, "eos_token_id", None)
-    if eos_token_id is None:
-        return set()
-    if isinstance(eos_token_id, torch.Tensor):
-        eos_token_id = eos_token_id.tolist()
-    return {int(t) for t in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}
+    ids = set(_as_ids(eos_token_id))
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """A generator for the draws at one sequence position, derived from (seed, position) by splitmix64: the
+    draws at a position then do not depend on how many were made before it."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return torch.Generator(device="cpu").manual_seed(z ^ (z >> 31))
 
 
 class _Request:
     """All mutable state of one generate call: sequence, caches, RNG, counters and timers."""
 
-    def __init__(self, prompt: list[int], max_new_tokens: int, limit: int | None, seed: int, eos: set[int]):
+    def __init__(self, prompt: list[int], params: SamplingParams, limit: int | None, seed: int, eos: set[int]):
         self.ids = list(prompt)
         self.prompt_len = len(prompt)
-        self.max_new_tokens = max_new_tokens
+        self.params = params
+        self.max_new_tokens = params.max_new_tokens
         self.limit = limit
         self.seed = seed
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -109,6 +112,7 @@ class _Request:
         self.finish_reason: str | None = None
         self.proposed = 0
         self.accepted = 0
+        self.accepted_per_position: list[int] = []
         self.rounds = 0
         self.forwards = {"draft": 0, "target": 0}
         self.seconds = {"draft": 0.0, "target": 0.0}
@@ -140,6 +144,15 @@ class _Request:
         self.forwards[role] += 1
         return logits
 
+    def record_round(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        self.rounds += 1
+        if accepted > len(self.accepted_per_position):
+            self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
     def commit(self, tokens: list[int], sources: list[str]) -> Chunk:
         """Append tokens, cut at the first EOS or at the budget, and set finish_reason when done."""
         tokens = tokens[: self.budget()]
@@ -157,41 +170,53 @@ class _Request:
             self.finish_reason = "length"
         return Chunk(tokens, sources)
 
-    def stats(self, method: str, gamma) -> dict:
+    def stats(self, finished: bool = True) -> GenerationStats:
         total = time.perf_counter() - self.started
         new = self.generated
-        other = max(0.0, total - self.seconds["draft"] - self.seconds["target"])
         target_forwards = self.forwards["target"]
         first_seconds, first_tokens = self.first_chunk or (total, new)
         later = total - first_seconds
-        return {
-            "method": method,
-            "gamma": gamma,
-            "seed": self.seed,
-            "prompt_tokens": self.prompt_len,
-            "new_tokens": new,
-            "proposed": self.proposed,
-            "accepted": self.accepted,
-            "acceptance_rate": self.accepted / self.proposed if self.proposed else None,
-            "tokens_per_target_forward": new / target_forwards if target_forwards else None,
-            "rounds": self.rounds,
-            "draft_forwards": self.forwards["draft"],
-            "target_forwards": target_forwards,
-            "draft_seconds": self.seconds["draft"],
-            "target_seconds": self.seconds["target"],
-            # each model's first forward (the prompt prefill, with the first proposal or token): the forwards
-            # after it are the per-token costs that the Leviathan model's c describes
-            "draft_prefill_seconds": self.prefill_seconds["draft"],
-            "target_prefill_seconds": self.prefill_seconds["target"],
-            "other_seconds": other,
-            "total_seconds": total,
-            "tokens_per_second": new / total if total > 0 else None,
-            # the first round includes the prompt prefill (time to first token); the rounds after it are the
-            # steady state that Leviathan et al.'s expected speedup describes
-            "first_chunk_seconds": first_seconds,
-            "first_chunk_tokens": first_tokens,
-            "decode_tokens_per_second": (new - first_tokens) / later if new > first_tokens and later > 0 else None,
-        }
+        return GenerationStats(
+            method=self.params.method, gamma=self.params.gamma if self.params.speculative else None,
+            seed=self.seed, prompt_tokens=self.prompt_len, new_tokens=new, proposed=self.proposed,
+            accepted=self.accepted, acceptance_rate=self.accepted / self.proposed if self.proposed else None,
+            tokens_per_target_forward=new / target_forwards if target_forwards else None, rounds=self.rounds,
+            draft_forwards=self.forwards["draft"], target_forwards=target_forwards,
+            draft_seconds=self.seconds["draft"], target_seconds=self.seconds["target"],
+            draft_prefill_seconds=self.prefill_seconds["draft"],
+            target_prefill_seconds=self.prefill_seconds["target"],
+            other_seconds=max(0.0, total - self.seconds["draft"] - self.seconds["target"]), total_seconds=total,
+            tokens_per_second=new / total if total > 0 else None, first_chunk_seconds=first_seconds,
+            first_chunk_tokens=first_tokens,
+            decode_tokens_per_second=(new - first_tokens) / later if new > first_tokens and later > 0 else None,
+            accepted_per_position=list(self.accepted_per_position), finished=finished)
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(self.ids[self.prompt_len:], list(self.sources), self.finish_reason or "length",
+                                self.stats())
+
+
+class Stream(Generator):
+    """The iterator `SpeculativeDecoder.stream` returns: a generator of Chunks whose return value (the
+    StopIteration's) is the GenerationResult. `stats()` is the generation's stats so far, at any time: also
+    after `close()` abandoned it."""
+
+    def __init__(self, request: _Request, rounds: Generator):
+        self._request = request
+        self._rounds = rounds
+
+    def send(self, value):
+        return self._rounds.send(value)
+
+    def throw(self, *args):
+        return self._rounds.throw(*args)
+
+    def close(self) -> None:
+        self._rounds.close()
+
+    def stats(self) -> GenerationStats:
+        req = self._request
+        return req.stats(finished=req.finish_reason is not None)
 
 
 class SpeculativeDecoder:
@@ -208,10 +233,13 @@ class SpeculativeDecoder:
 
     def generate(self, input_ids, max_new_tokens: int = 64, method: str = "google", gamma: int | None = 4,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 eos_token_id=None) -> GenerationResult:
-        """Decode up to max_new_tokens after input_ids. gamma=None chooses the draft length adaptively."""
+                 eos_token_id=None, *, params: SamplingParams | None = None) -> GenerationResult:
+        """Decode up to max_new_tokens after input_ids. gamma=None chooses the draft length adaptively.
+
+        `params`, if given, is used instead of the sampling keywords (max_new_tokens .. seed)."""
         stream = self.stream(input_ids, max_new_tokens=max_new_tokens, method=method, gamma=gamma,
-                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id)
+                             temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
+                             params=params)
         while True:
             try:
                 next(stream)
@@ -220,44 +248,38 @@ class SpeculativeDecoder:
 
     def stream(self, input_ids, max_new_tokens: int = 64, method: str = "google", gamma: int | None = 4,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               eos_token_id=None) -> Iterator[Chunk]:
+               eos_token_id=None, *, params: SamplingParams | None = None) -> Stream:
         """Like `generate`, but yields each round's committed tokens as a Chunk and returns the GenerationResult.
 
         Arguments are checked here, before decoding starts. `send("stop")` ends decoding with finish_reason
         "stop" (a caller's stop string) and raises StopIteration carrying the result; `close()` just abandons it.
         """
         prompt = self._prompt(input_ids)
-        if method not in METHODS:
-            raise SpecDecError(f"method must be one of {', '.join(METHODS)}, got {method!r}", field="method")
-        max_new_tokens = _int_param(max_new_tokens, "max_new_tokens", 1)
-        if gamma is not None:
-            gamma = _int_param(gamma, "gamma", 1, MAX_GAMMA)
-        temperature = _float_param(temperature, "temperature")
-        if temperature < 0 or 0 < temperature < MIN_TEMPERATURE:
-            raise SpecDecError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}",
-                               field="temperature")
-        top_k = _int_param(top_k, "top_k", 0)
-        top_p = _float_param(top_p, "top_p")
-        if not 0 < top_p <= 1:
-            raise SpecDecError(f"top_p must be in (0, 1], got {top_p}", field="top_p")
-        if seed is None:
-            seed = int.from_bytes(os.urandom(8), "little") >> 1
-        seed = _int_param(seed, "seed", -(2**63), 2**64 - 1) % 2**64
+        if params is None:
+            params = SamplingParams(max_new_tokens=max_new_tokens, method=method, gamma=gamma,
+                                    temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        elif not isinstance(params, SamplingParams):
+            raise SpecDecError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
+        seed = int.from_bytes(os.urandom(8), "little") >> 1 if params.seed is None else params.seed % 2**64
         if self.context_length is not None and len(prompt) >= self.context_length:
             raise SpecDecError(
                 f"the prompt has {len(prompt)} tokens and leaves no room in the model context of "
                 f"{self.context_length} tokens", field="input_ids")
 
-        req = _Request(prompt, max_new_tokens, self.context_length, seed, _eos_ids(eos_token_id, self.target_model))
-        return self._run(req, _Warper(temperature, top_k, top_p, self.vocab_size), method, gamma)
+        req = _Request(prompt, params, self.context_length, seed, eos_token_ids(self.target_model,
+                                                                                 eos_token_id=eos_token_id))
+        warper = _Warper(params.temperature, params.top_k, params.top_p, self.vocab_size)
+        return Stream(req, self._run(req, warper))
 
-    def _run(self, req: "_Request", probs: "_Warper", method: str, gamma: int | None):
-        if method in SPECULATIVE_METHODS:
-            yield from self._speculate(req, probs, method, gamma)
+    def _run(self, req: "_Request", probs: "_Warper"):
+        params = req.params
+        if params.speculative and params.gamma is None:
+            yield from self._speculate_adaptive(req, probs)
+        elif params.speculative:
+            yield from self._speculate(req, probs)
         else:
-            yield from self._autoregress(req, probs, method)
-        result = GenerationResult(req.ids[req.prompt_len:], req.sources, req.finish_reason or "length",
-                                  req.stats(method, gamma if method in SPECULATIVE_METHODS else None))
+            yield from self._autoregress(req, probs)
+        result = req.result()
         logger.debug("generate done: %s", result.stats)
         return result
 
@@ -272,10 +294,10 @@ class SpeculativeDecoder:
             raise SpecDecError(f"input_ids must be integers in [0, {self.vocab_size})", field="input_ids")
         return list(input_ids)
 
-    def _autoregress(self, req: _Request, probs: "_Warper", method: str) -> Iterator[Chunk]:
+    def _autoregress(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:
         """Target-only or draft-only decoding with a KV cache: one forward, one token."""
-        model = CachedModel(self.target_model if method == "target" else self.draft_model)
-        role = "target" if method == "target" else "draft"
+        role = "target" if req.params.method == "target" else "draft"
+        model = CachedModel(self.target_model if role == "target" else self.draft_model)
         while req.finish_reason is None:
             logits = req.forward(role, model, req.ids[model.length:])
             token = sample(probs(logits[-1]), req.generator)
@@ -283,24 +305,16 @@ class SpeculativeDecoder:
             if (yield req.commit([token], ["target"])) == "stop":
                 req.finish_reason = "stop"
 
-    def _speculate(self, req: _Request, probs: "_Warper", variant: str, gamma: int | None) -> Iterator[Chunk]:
-        """Google (Leviathan et al. Alg. 1) or DeepMind (Chen et al. Alg. 2) speculative sampling."""
+    def _speculate(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:
+        """Google (Leviathan et al. Alg. 1) or DeepMind (Chen et al. Alg. 2) speculative sampling, fixed gamma."""
         draft, target = CachedModel(self.draft_model), CachedModel(self.target_model)
-        adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile) if gamma is None else None
+        generator = req.generator
         while req.finish_reason is None:
-            wanted = adaptive.choose() if adaptive else gamma
-            k_max = min(wanted, req.budget() - 1)  # never propose past max_new_tokens or the context
+            k_max = min(req.params.gamma, req.budget() - 1)  # never propose past max_new_tokens or the context
             before = dict(req.seconds), dict(req.forwards)
 
             # 1. the draft proposes k_max tokens autoregressively (its first forward catches up on new tokens)
-            draft_tokens, draft_dists = [], []
-            feed = req.ids[draft.length:]
-            for _ in range(k_max):
-                q = probs(req.forward("draft", draft, feed)[-1])
-                token = sample(q, req.generator)
-                draft_tokens.append(token)
-                draft_dists.append(q)
-                feed = [token]
+            draft_tokens, draft_dists = self._propose(req, draft, probs, k_max, lambda i: generator)
 
             # 2. the target scores all k_max + 1 positions in one forward: p_1 .. p_{k+1}
             p = probs(req.forward("target", target, req.ids[target.length:] + draft_tokens, keep=k_max + 1))
@@ -310,43 +324,93 @@ class SpeculativeDecoder:
             if k_max:
                 q = torch.stack(draft_dists).to(p.device)
                 x = torch.tensor(draft_tokens, device=p.device)
-                accepted = self._verify(variant, x, q, p[:k_max], req.generator)
+                accepted = self._verify(req.params.method, x, q, p[:k_max], lambda i: generator)
             if accepted < k_max:
-                token, source = sample(residual_probs(p[accepted], q[accepted]), req.generator), "resampled"
+                token, source = sample(residual_probs(p[accepted], q[accepted]), generator), "resampled"
             else:
-                token, source = sample(p[k_max], req.generator), "bonus"
-
+                token, source = sample(p[k_max], generator), "bonus"
             chunk = req.commit(draft_tokens[:accepted] + [token], ["draft"] * accepted + [source])
-            req.proposed += k_max
-            req.accepted += accepted
-            req.rounds += 1
-            # 4. both caches roll back to the committed prefix; the newest token is fed next round
-            target.rollback(len(req.ids) - 1)
-            draft.rollback(len(req.ids) - 1)
-            # every round's costs feed the decoder's profile (fixed gamma too), except the first: its forwards
-            # include both prompt prefills and say nothing about per-token cost
-            spent = {role: (req.seconds[role] - before[0][role], req.forwards[role] - before[1][role])
-                     if req.rounds > 1 else (0.0, 0) for role in ("draft", "target")}
-            self.cost_profile.record(*spent["draft"], *spent["target"], width=k_max + 1)
-            if adaptive:
-                adaptive.update(k_max, accepted)
-            logger.debug("round %d: gamma=%d accepted=%d committed=%d", req.rounds, k_max, accepted,
-                         len(chunk.token_ids))
-            if (yield chunk) == "stop":
+            if (yield self._end_round(req, draft, target, chunk, k_max, accepted, k_max + 1, before)) == "stop":
+                req.finish_reason = "stop"
+
+    def _speculate_adaptive(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:
+        """Speculative sampling with the draft length chosen each round from measured costs (adaptive.py).
+
+        The draft length depends on wall-clock timings, so the output must not depend on it: every position's
+        token goes through the same steps (the draft proposes it, the target accepts it or resamples from the
+        residual), with its draws from a generator of its own, derived from (seed, position). A round whose
+        proposals are all accepted ends without a bonus token; the draft's extra forward that this costs is
+        the price of the same seed giving the same completion whatever lengths were chosen.
+        """
+        draft, target = CachedModel(self.draft_model), CachedModel(self.target_model)
+        adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile, bonus=False)
+        while req.finish_reason is None:
+            start = len(req.ids)
+            k = min(adaptive.choose() + 1, req.budget())  # verified proposals; the target's width is the same
+            generators = [position_generator(req.seed, start + i) for i in range(k)]
+            before = dict(req.seconds), dict(req.forwards)
+
+            draft_tokens, draft_dists = self._propose(req, draft, probs, k, generators.__getitem__)
+            p = probs(req.forward("target", target, req.ids[target.length:] + draft_tokens[:-1], keep=k))
+            q = torch.stack(draft_dists).to(p.device)
+            x = torch.tensor(draft_tokens, device=p.device)
+            accepted = self._verify(req.params.method, x, q, p, generators.__getitem__)
+            tokens, sources = draft_tokens[:accepted], ["draft"] * accepted
+            if accepted < k:
+                tokens.append(sample(residual_probs(p[accepted], q[accepted]), generators[accepted]))
+                sources.append("resampled")
+            chunk = req.commit(tokens, sources)
+            adaptive.update(k - 1, min(accepted, k - 1))
+            if (yield self._end_round(req, draft, target, chunk, k, accepted, k, before)) == "stop":
                 req.finish_reason = "stop"
 
     @staticmethod
-    def _verify(variant: str, x: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator) -> int:
+    def _propose(req: _Request, draft: CachedModel, probs: "_Warper", k: int, generator_at):
+        """k draft tokens, drawn autoregressively, and the distributions q they were drawn from."""
+        tokens, dists = [], []
+        feed = req.ids[draft.length:]  # the first forward catches up on the tokens committed since
+        for i in range(k):
+            q = probs(req.forward("draft", draft, feed)[-1])
+            token = sample(q, generator_at(i))
+            tokens.append(token)
+            dists.append(q)
+            feed = [token]
+        return tokens, dists
+
+    def _end_round(self, req: _Request, draft: CachedModel, target: CachedModel, chunk: Chunk, proposed: int,
+                   accepted: int, width: int, before: tuple[dict, dict]) -> Chunk:
+        """Count the round, roll both caches back to the committed prefix, feed the decoder's cost profile."""
+        req.record_round(proposed, accepted)
+        # the newest committed token is fed next round
+        target.rollback(len(req.ids) - 1)
+        draft.rollback(len(req.ids) - 1)
+        # every round's costs feed the profile, except the first: its forwards include both prompt prefills
+        # and say nothing about per-token cost
+        spent = {role: (req.seconds[role] - before[0][role], req.forwards[role] - before[1][role])
+                 if req.rounds > 1 else (0.0, 0) for role in ("draft", "target")}
+        self.cost_profile.record(*spent["draft"], *spent["target"], width=width)
+        logger.debug("round %d: proposed=%d accepted=%d committed=%d", req.rounds, proposed, accepted,
+                     len(chunk.token_ids))
+        return chunk
+
+    @staticmethod
+    def _verify(variant: str, x: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator_at) -> int:
         """Number of accepted proposals under the shared rejection rule.
 
         Google draws all gamma uniforms at once and finds the first rejection with one tensor op; DeepMind
         walks the proposals in order, one uniform each, and stops at the first rejection (Chen et al. Alg. 2).
+        `generator_at(i)` is the generator of proposal i's draws.
         """
         if variant == "google":
-            uniforms = torch.rand(len(x), generator=generator, dtype=torch.float64)
+            first = generator_at(0)
+            if all(generator_at(i) is first for i in range(len(x))):
+                uniforms = torch.rand(len(x), generator=first, dtype=torch.float64)
+            else:
+                uniforms = torch.cat([torch.rand(1, generator=generator_at(i), dtype=torch.float64)
+                                      for i in range(len(x))])
             return num_accepted(accept_mask(x, q, p, uniforms))
         for t in range(len(x)):
-            uniform = torch.rand(1, generator=generator, dtype=torch.float64)
+            uniform = torch.rand(1, generator=generator_at(t), dtype=torch.float64)
             if not bool(accept_mask(x[t:t + 1], q[t:t + 1], p[t:t + 1], uniform)[0]):
                 return t
         return len(x)

@@ -216,8 +216,8 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
 
     `device_map` (e.g. "auto") spreads the target over several GPUs with accelerate; the draft stays on `device`.
     `cpu_kernels`: float32 CPU linear layers computed by our few-rows kernel (or packed once by oneDNN where it
-    cannot be built; specdec.cpu_linear), so verifying gamma tokens in one target forward costs about what one
-    token does, CPU attention over grouped heads skips copying the cache per head (specdec.cpu_attention), and
+    cannot be built; specdec.cpu.linear), so verifying gamma tokens in one target forward costs about what one
+    token does, CPU attention over grouped heads skips copying the cache per head (specdec.cpu.attention), and
     CPU weights are copied out of the memory-mapped checkpoint into the process's memory (`use_own_memory`);
     models elsewhere or in half precision keep the library's kernels.
     `draft_quantization`: "int8" (default) quantizes a float32 CPU draft's linear layers to int8, which makes
@@ -272,7 +272,7 @@ def apply_cpu_kernels(draft_model, target_model, draft_quantization: str = "none
 
 def prepare_draft(draft_model, draft_quantization: str = "none", cpu_kernels: bool = True) -> None:
     """The draft's half of `apply_cpu_kernels`: int8 if asked, then CPU kernels for what stays float32."""
-    from .cpu_linear import quantize_linears
+    from .cpu.linear import quantize_linears
 
     if draft_quantization == "int8":
         quantize_linears(draft_model)
@@ -283,8 +283,8 @@ def prepare_draft(draft_model, draft_quantization: str = "none", cpu_kernels: bo
 def use_cpu_kernels(model) -> bool:
     """Few-rows (or packed) linears and grouped-head attention for one model, in place. Returns whether anything
     changed."""
-    from .cpu_attention import use_gqa_attention
-    from .cpu_linear import pack_linears
+    from .cpu.attention import use_gqa_attention
+    from .cpu.linear import pack_linears
 
     return bool(pack_linears(model) + use_gqa_attention(model))
 
@@ -292,8 +292,8 @@ def use_cpu_kernels(model) -> bool:
 def use_stock_kernels(model) -> bool:
     """Undo `use_cpu_kernels`: the library's linear layers and attention again, on the same weights where the
     few-rows kernel was used (nothing copied). Returns whether anything changed."""
-    from .cpu_attention import restore_attention
-    from .cpu_linear import unpack_linears
+    from .cpu.attention import restore_attention
+    from .cpu.linear import unpack_linears
 
     return bool(unpack_linears(model) + restore_attention(model))
 

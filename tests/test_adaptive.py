@@ -13,9 +13,21 @@ def test_expected_tokens():
     assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
 
 
-def test_expected_speedup_matches_paper_example():
-    # Leviathan et al.: alpha 0.8, c 0.05, gamma 5 gives ~3.4x (their Figure 3 region)
-    assert expected_speedup(0.8, 5, 0.05) == pytest.approx((1 - 0.8 ** 6) / (0.2 * 1.25))
+def test_expected_speedup_agrees_with_a_simulated_round():
+    """Leviathan et al. eq. (1) against a Monte Carlo of the process it models: gamma proposals each accepted
+    with probability alpha until the first rejection, one more token from the target, gamma * c + 1 cost."""
+    rng = random.Random(0)
+    for alpha, gamma, c in ((0.8, 5, 0.05), (0.5, 2, 0.3), (0.95, 8, 0.1)):
+        rounds = 20_000
+        tokens = 0
+        for _ in range(rounds):
+            accepted = 0
+            while accepted < gamma and rng.random() < alpha:
+                accepted += 1
+            tokens += accepted + 1
+        simulated = tokens / rounds / (gamma * c + 1)
+        assert expected_speedup(alpha, gamma, c) == pytest.approx(simulated, rel=0.02)
+    assert expected_speedup(0.8, 4, 0.1, verification=1.2) < expected_speedup(0.8, 4, 0.1)
 
 
 def test_best_gamma_grows_with_acceptance_and_shrinks_with_cost():

@@ -5,9 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specdec import bench
 import pytest
 
+from bench import benchmark as bench
 from specdec.adaptive import expected_speedup, fit_alpha
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,8 +62,9 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
 
 
 def test_linear_micro_benchmark_runs_on_small_shapes():
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "linear.py"), "--rows", "1,5", "--repeats", "1",
-                           "--shapes", "64x48,40x80", "--stack-mb", "0.1"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-m", "bench.linear", "--rows", "1,5", "--repeats", "1",
+                           "--shapes", "64x48,40x80", "--stack-mb", "0.1"], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("| 64 x 48") or line.startswith("| 40 x 80")]
     assert len(lines) == 4 and "F.linear" in done.stdout
@@ -75,7 +76,7 @@ def test_linear_micro_benchmark_runs_on_small_shapes():
 
 
 def test_forward_costs_take_turns_by_width():
-    from conftest import make_model
+    from tests.support.models import make_model
 
     model = make_model("qwen2", hidden=64)
     seen = []
@@ -90,10 +91,10 @@ def test_forward_costs_take_turns_by_width():
 def test_stock_layers_lends_our_target_to_hugging_face_and_gives_it_back():
     from torch import nn
 
-    from conftest import make_model
-    from specdec.cpu_attention import GQA_ATTENTION
-    from specdec.cpu_linear import FewRowsLinear, PackedLinear
+    from specdec.cpu.attention import GQA_ATTENTION
+    from specdec.cpu.linear import FewRowsLinear, PackedLinear
     from specdec.loading import use_cpu_kernels
+    from tests.support.models import make_model
 
     model = make_model("qwen2", hidden=64)
     assert use_cpu_kernels(model)
@@ -193,9 +194,9 @@ def test_bound_interpolates_between_integer_gammas():
 
 def test_gpu_script_smoke_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--tiny", "--device", "cpu",
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--tiny", "--device", "cpu",
                            "--context", "16", "--repeats", "1", "--tokens", "4", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert [row["gamma"] for row in report["by_gamma"]] == list(range(1, 9))
@@ -205,9 +206,9 @@ def test_gpu_script_smoke_on_cpu(tmp_path):
 def test_interference_script_smoke_on_tiny_pair(tiny_pair_dirs, tmp_path):
     draft, target = tiny_pair_dirs
     out = tmp_path / "interference.json"
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "interference.py"), "--draft", draft,
+    done = subprocess.run([sys.executable, "-m", "bench.interference", "--draft", draft,
                            "--target", target, "--cached", "8", "--repeats", "2", "--pause", "0.01",
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert set(report["ms"]) == {"draft_back_to_back", "draft_after_target", "draft_after_pause",

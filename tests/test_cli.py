@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import pytest
-from conftest import make_tokenizer
 
-from specdec.cli import main, render_sources, token_pieces, use_color
+from specdec.cli import main, render_sources, use_color
+from specdec.text import decoder_of, token_pieces
+from tests.support.models import make_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATS = re.compile(r"^\d+ tokens \| [\d.]+ tokens/s \| acceptance (-|[\d.]+) \| (-|[\d.]+) tokens per target forward$",
@@ -119,7 +120,7 @@ def test_unknown_model_path(pair_args, capsys, tmp_path):
 
 
 def test_mismatched_vocabularies(pair_args, capsys, tmp_path):
-    from conftest import make_model
+    from tests.support.models import make_model
 
     small = str(tmp_path / "small")
     make_model(vocab_size=80).save_pretrained(small)
@@ -144,7 +145,8 @@ def test_colour_only_on_a_terminal_without_no_color():
 def test_token_pieces_add_up_to_the_text():
     tokenizer = make_tokenizer()
     ids = tokenizer("x = 1\nprint(x)")["input_ids"]
-    assert "".join(token_pieces(tokenizer, ids)) == tokenizer.decode(ids)
+    decode = decoder_of(tokenizer)
+    assert "".join(token_pieces(decode, ids)) == decode(ids)
 
 
 def test_main_py_and_module_run_without_traceback(pair_args):

@@ -1,4 +1,4 @@
-"""cpu_attention.py: grouped-query SDPA without repeated heads matches the library's attention exactly."""
+"""cpu/attention.py: grouped-query SDPA without repeated heads matches the library's attention exactly."""
 
 import copy
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import make_model, perturbed_copy
 from specdec import SpeculativeDecoder
-from specdec.cpu_attention import GQA_ATTENTION, restore_attention, use_gqa_attention
+from specdec.cpu.attention import GQA_ATTENTION, restore_attention, use_gqa_attention
+from tests.support.models import make_model, perturbed_copy
 
 
 def _logits_with_cache(model, ids, context, new):

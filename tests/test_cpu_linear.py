@@ -1,4 +1,4 @@
-"""cpu_linear.py: the few-rows kernel and packed linears reproduce the stock forward and keep greedy outputs."""
+"""cpu/linear.py: the few-rows kernel and packed linears reproduce the stock forward and keep greedy outputs."""
 
 import copy
 import shutil
@@ -7,10 +7,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ARCHITECTURES, make_model, perturbed_copy
 from specdec import SpeculativeDecoder
-from specdec.cpu_linear import (FewRowsLinear, PackedLinear, build_kernel, few_rows_kernel, pack_linears,
-                                 packing_supported, quantization_supported, quantize_linears, unpack_linears)
+from specdec.cpu.linear import (
+    FewRowsLinear,
+    PackedLinear,
+    build_kernel,
+    few_rows_kernel,
+    pack_linears,
+    packing_supported,
+    quantization_supported,
+    quantize_linears,
+    unpack_linears,
+)
+from tests.support.models import ARCHITECTURES, make_model, perturbed_copy
 
 HAS_TOOLCHAIN = bool((shutil.which("c++") or shutil.which("g++")) and shutil.which("ninja"))
 needs_kernel = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compiler or ninja to build the kernel")

@@ -6,9 +6,8 @@ import sys
 
 import pytest
 
-from specdec import SpecDecError
-from specdec import default_pair
-from specdec.default_pair import GGUFSource, MARKER, is_ready, join_parts, prepare_model
+from specdec import SpecDecError, default_pair
+from specdec.default_pair import MARKER, GGUFSource, is_ready, join_parts, prepare_model
 
 
 @pytest.fixture

@@ -11,17 +11,17 @@ than a library model); one test repeats the check on a transformers Llama with i
 
 import copy
 import itertools
+import random
 
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
-                                                     TopPLogitsWarper)
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from conftest import make_model
 from specdec import SpeculativeDecoder
-from specdec.cpu_linear import pack_linears, quantization_supported, quantize_linears
-from tiny_lm import TinyCausalLM
+from specdec.cpu.linear import pack_linears, quantization_supported, quantize_linears
+from tests.support.models import make_model
+from tests.support.tiny_lm import TinyCausalLM
 
 VOCAB = 8
 LENGTH = 3
@@ -151,12 +151,27 @@ def test_cpu_kernel_pair_samples_follow_target_distribution(llama_pair):
 
 
 @pytest.mark.statistical
-def test_adaptive_gamma_samples_follow_target_distribution(pair):
+@pytest.mark.parametrize("variant, setting", [("google", "t1"), ("deepmind", "t0.8-topk5-topp0.9")])
+def test_adaptive_gamma_samples_follow_target_distribution(pair, monkeypatch, variant, setting):
+    """Adaptive gamma draws each position's randomness from (seed, position); the draft lengths are forced to
+    change at random here (as timings would make them), and the samples must still be the target's."""
     draft, target = pair
+    lengths = random.Random(5)
+    monkeypatch.setattr("specdec.engine.AdaptiveGamma.choose", lambda self: lengths.randint(1, 4))
     decoder = SpeculativeDecoder(draft, target)
-    expected = exact_distribution(target, *SETTINGS["t1"])
-    counts = draw(decoder, "google", SETTINGS["t1"], 10_000, gamma=None, seed=7)
+    expected = exact_distribution(target, *SETTINGS[setting])
+    counts = draw(decoder, variant, SETTINGS[setting], 10_000, gamma=None, seed=7)
     assert goodness_of_fit(counts, expected, 10_000) > 1e-3
+
+
+@pytest.mark.statistical
+def test_adaptive_gamma_with_the_plain_residual_fails_the_test(pair, monkeypatch):
+    """The same deliberately wrong rule as below, on the adaptive path: the test has power there too."""
+    draft, target = pair
+    monkeypatch.setattr("specdec.engine.residual_probs", lambda target_probs, draft_probs: target_probs)
+    decoder = SpeculativeDecoder(draft, target)
+    counts = draw(decoder, "google", SETTINGS["t1"], 5_000, gamma=None, seed=7)
+    assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), 5_000) < 1e-6
 
 
 @pytest.mark.statistical

@@ -7,14 +7,13 @@ import json
 import math
 
 import pytest
-from bad_requests import LEAKS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specdec.config import Settings
-from specdec.openapi import FINISH_REASONS
-from specdec.service import create_app
+from specdec.serve import create_app
+from specdec.serve.openapi import FINISH_REASONS
+from tests.support.bad_requests import LEAKS
+from tests.support.models import specdec_env_cleared
 
 FUZZ = settings(max_examples=150, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -24,13 +23,8 @@ FIELDS = ("prompt", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "
 
 
 @pytest.fixture(scope="module")
-def app(tiny_pair_dirs):
-    draft_dir, target_dir = tiny_pair_dirs
-    pair = (AutoModelForCausalLM.from_pretrained(draft_dir), AutoModelForCausalLM.from_pretrained(target_dir),
-            AutoTokenizer.from_pretrained(target_dir))
-    with pytest.MonkeyPatch.context() as env:  # settings from config/default.toml and here only
-        for name in list(Settings.model_fields) + ["config"]:
-            env.delenv(f"SPECDEC_{name.upper()}", raising=False)
+def app(pair):
+    with specdec_env_cleared():
         # short completions keep each accepted request fast; the limits are still checked
         app = create_app({"loader": lambda s: pair, "max_new_tokens": 4, "max_new_tokens_limit": 8})
     assert app.extensions["specdec"].wait_until_loaded(30)

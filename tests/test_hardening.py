@@ -11,23 +11,19 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_app
 import torch
-from bad_requests import CORPUS, GOOD, LEAKS, PROMPT, check_error
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import specdec.loading
-from specdec.api import PredictRequest
-from specdec.config import Settings, load_settings
-from specdec.service import create_app
+from specdec.serve import create_app
+from specdec.serve.config import load_settings
+from specdec.serve.protocol import PredictRequest
+from tests.support.bad_requests import CORPUS, GOOD, LEAKS, PROMPT, check_error
+from tests.support.models import load_saved_pair, make_app
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    for name in list(Settings.model_fields) + ["config"]:
-        monkeypatch.delenv(f"SPECDEC_{name.upper()}", raising=False)
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 class Faults:
@@ -51,10 +47,9 @@ def faults():
 
 @pytest.fixture(scope="module")
 def pair(tiny_pair_dirs, faults):
-    draft_dir, target_dir = tiny_pair_dirs
-    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    draft, target, tokenizer = load_saved_pair(tiny_pair_dirs)
     target.register_forward_pre_hook(faults)
-    return AutoModelForCausalLM.from_pretrained(draft_dir), target, AutoTokenizer.from_pretrained(target_dir)
+    return draft, target, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +90,7 @@ def test_prompt_blankness_is_the_openapi_patterns():
     or a schema-valid prompt is refused (schemathesis found "\x1d\x1d")."""
     import re as regex
 
-    from specdec.api import NOT_BLANK, NOT_BLANK_PATTERN
+    from specdec.serve.protocol import NOT_BLANK, NOT_BLANK_PATTERN
 
     ecma_whitespace = "\t\n\x0b\x0c\r \xa0\u1680\u2028\u2029\u202f\u205f\u3000\ufeff" + "".join(
         chr(c) for c in range(0x2000, 0x200b))
@@ -185,7 +180,7 @@ def test_out_of_memory_in_forward_is_a_500_and_the_server_keeps_serving(client, 
                                                                         error):
     faults.error = error
     try:
-        with caplog.at_level(logging.ERROR, logger="specdec.service"):
+        with caplog.at_level(logging.ERROR, logger="specdec.serve"):
             response = client.post("/predict", json={"prompt": PROMPT}, headers={"X-Request-ID": "oom-1"})
     finally:
         faults.error = None
@@ -242,6 +237,7 @@ def test_openapi_describes_every_route_with_the_server_limits(pair):
     assert request["additionalProperties"] is False
     assert request["properties"]["max_new_tokens"]["maximum"] == 8
     assert request["properties"]["gamma"]["maximum"] == 6
+    assert "default 4" in request["properties"]["max_new_tokens"]["description"]
     documented = {int(status) for status in document["paths"]["/predict"]["post"]["responses"]}
     assert {bad.status for bad in CORPUS if bad.path == "/predict" and bad.method == "POST"} <= documented
 

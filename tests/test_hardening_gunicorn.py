@@ -1,12 +1,12 @@
-"""Hardening under a real gunicorn on 127.0.0.1 (the helpers of specdec/stress.py, with smaller sizes than
+"""Hardening under a real gunicorn on 127.0.0.1 (the helpers of bench/stress.py, with smaller sizes than
 `make stress`): the bad-request corpus over a socket, 16 concurrent clients, faults (disconnect, exception,
 out of memory, an error after a stream started) and a short soak (no descriptor or thread growth)."""
 
 import pytest
 import requests
-from bad_requests import CORPUS, GOOD, check_error
 
-from specdec import stress
+from bench import stress
+from tests.support.bad_requests import CORPUS, GOOD, check_error
 
 pytestmark = pytest.mark.xdist_group("hardening-gunicorn")
 

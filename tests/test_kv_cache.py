@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from conftest import ARCHITECTURES, make_model
 from specdec.kv_cache import CachedModel, context_length
+from tests.support.models import ARCHITECTURES, make_model
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

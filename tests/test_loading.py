@@ -6,13 +6,12 @@ import shutil
 import gguf
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
-from specdec import SpecDecError, SpeculativeDecoder, load_pair
-from specdec import loading
+from specdec import SpecDecError, SpeculativeDecoder, load_pair, loading
 from specdec.loading import ModelSource, resolve_device, resolve_dtype, resolve_source
+from tests.support.models import make_model, make_tokenizer
 
 CUDA = torch.cuda.is_available()
 # llama.cpp's tensor names for a Qwen2 model
@@ -121,7 +120,7 @@ def test_load_pair_from_folders(tiny_pair_dirs):
 def test_load_pair_quantizes_a_cpu_draft_unless_told_not_to(tiny_pair_dirs):
     from torch.ao.nn.quantized.dynamic import Linear as Int8Linear
 
-    from specdec.cpu_linear import FewRowsLinear, PackedLinear, quantization_supported
+    from specdec.cpu.linear import FewRowsLinear, PackedLinear, quantization_supported
 
     fast = (FewRowsLinear, PackedLinear)
 

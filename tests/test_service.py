@@ -8,28 +8,15 @@ import logging
 import threading
 
 import pytest
-from conftest import make_app
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specdec import SpecDecError
-from specdec.config import Settings
-from specdec.service import create_app
+from specdec.serve import create_app
+from tests.support.models import make_app
 
 PROMPT = "Who is the president of the USA"
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    """Settings come from config/default.toml and the test only, never from the caller's SPECDEC_* variables."""
-    for name in list(Settings.model_fields) + ["config"]:
-        monkeypatch.delenv(f"SPECDEC_{name.upper()}", raising=False)
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_pair_dirs):
-    draft_dir, target_dir = tiny_pair_dirs
-    return (AutoModelForCausalLM.from_pretrained(draft_dir), AutoModelForCausalLM.from_pretrained(target_dir),
-            AutoTokenizer.from_pretrained(target_dir))
+pytestmark = pytest.mark.usefixtures("clean_env")
 
 
 @pytest.fixture
@@ -155,7 +142,7 @@ def test_metrics_counters_move(client):
 
 
 def test_one_log_line_per_request(client, caplog):
-    with caplog.at_level(logging.INFO, logger="specdec.service"):
+    with caplog.at_level(logging.INFO, logger="specdec.serve"):
         predict(client, max_new_tokens=5, headers={"X-Request-ID": "log-test-1"})
     lines = [r.getMessage() for r in caplog.records if "request_id=log-test-1" in r.getMessage()]
     assert len(lines) == 1
@@ -306,7 +293,7 @@ def test_unexpected_failure_is_500_and_the_server_keeps_serving(app, client, ser
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(service.decoder, "stream", broken)
-    with caplog.at_level(logging.ERROR, logger="specdec.service"):
+    with caplog.at_level(logging.ERROR, logger="specdec.serve"):
         response = predict(client)
     error = assert_error(response, 500, "internal_error")
     request_id = response.headers["X-Request-ID"]
@@ -416,7 +403,7 @@ def test_closing_a_stream_stops_generation(client, service, caplog):
                 return float(line.split()[-1])
 
     before = generated()
-    with caplog.at_level(logging.INFO, logger="specdec.service"):
+    with caplog.at_level(logging.INFO, logger="specdec.serve"):
         response = predict(client, stream=True, max_new_tokens=200, gamma=2, headers={"X-Request-ID": "gone-1"})
         first = next(iter(response.response))
         assert first.startswith(b"data: ") and service.scheduler.busy

@@ -4,7 +4,7 @@ import tomllib
 
 import pytest
 
-from specdec.config import DEFAULT_FILE, ConfigError, Settings, load_settings
+from specdec.serve.config import DEFAULT_FILE, ConfigError, Settings, load_settings
 
 
 def test_defaults():

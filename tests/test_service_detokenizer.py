@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from conftest import make_tokenizer
-from specdec.detokenizer import Completion, Detokenizer
+from specdec.text import Completion, Detokenizer
+from tests.support.models import make_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from specdec.stress import DELAY_ENV, Server
+from bench.stress import DELAY_ENV, Server
 
 pytestmark = pytest.mark.xdist_group("gunicorn")
 
@@ -25,7 +25,7 @@ def start(tmp_path_factory, tiny_pair_dirs, name, **settings) -> Server:
     test overloads the server, disconnects or sends SIGTERM."""
     draft_dir, target_dir = tiny_pair_dirs
     server = Server(tmp_path_factory.mktemp(name) / "server.log", env={DELAY_ENV: "0.005"}, draft_model=draft_dir,
-                    target_model=target_dir, device="cpu", loader="specdec.stress:faulty_pair", **settings)
+                    target_model=target_dir, device="cpu", loader="bench.stress:faulty_pair", **settings)
     server.wait_ready(timeout=90)
     return server
 

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from specdec.scheduler import Overloaded, Scheduler
+from specdec.serve.scheduler import Overloaded, Scheduler
 
 
 def test_free_engine_is_taken_at_once_and_released_once():

@@ -1,7 +1,8 @@
-"""The HTTP API's shapes: the /predict request (strict types, no unknown fields) and the JSON error.
+"""The HTTP API's shapes: the /predict request (strict types, no unknown fields) as a pydantic model, the one
+source that both validation and /openapi.json come from.
 
 Parsing goes body size -> content type -> JSON -> fields; each failure is an ApiError that the service's one
-error handler turns into `{"error": {"type", "message", "field"}}`.
+error handler turns into `{"error": {"type", "message", "field"}}`. Bounds come from specdec.params.
 """
 
 import json
@@ -12,8 +13,10 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from ..errors import SpecDecError
+from ..params import MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SERVED_METHODS, SamplingParams
 from .config import Settings
-from .engine import MIN_TEMPERATURE
+from .errors import ApiError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -27,38 +30,30 @@ NOT_BLANK_PATTERN = f"[^{WHITESPACE}]"
 NOT_BLANK = re.compile(NOT_BLANK_PATTERN)
 
 
-class ApiError(Exception):
-    """An error answer: HTTP status, a stable `type`, a human message, the offending field (if any)."""
-
-    def __init__(self, status: int, type: str, message: str, field: str | None = None,
-                 headers: dict | None = None):
-        message, field = _printable(message), None if field is None else _printable(field)
-        super().__init__(message)
-        self.status, self.type, self.message, self.field = status, type, message, field
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"type": self.type, "message": self.message, "field": self.field}}
-
-
 class PredictRequest(BaseModel):
     """A /predict body as sent. null (or leaving a field out) means the configured default."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    prompt: str = Field(min_length=1)
-    max_new_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=0)
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    gamma: int | None = Field(None, ge=1)
-    method: Literal["google", "deepmind", "target"] | None = None
+    prompt: str = Field(min_length=1, json_schema_extra={"pattern": NOT_BLANK_PATTERN},
+                        description="the text to complete; it must fit the server's prompt limit, and prompt "
+                                    "plus max_new_tokens the model context")
+    max_new_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
+    temperature: float | None = Field(
+        None, ge=0, allow_inf_nan=False, description=f"0 is greedy, otherwise at least {MIN_TEMPERATURE:g}",
+        json_schema_extra={"not": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": MIN_TEMPERATURE}})
+    # (openapi.py restates these bounds in OpenAPI 3.0's dialect)
+    top_k: int | None = Field(None, ge=0, description="0 keeps every token")
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="nucleus sampling mass")
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX,
+                             description="the same seed and request give the same completion; default random")
+    gamma: int | None = Field(None, ge=1, description="draft tokens proposed per round")
+    method: Literal[SERVED_METHODS] | None = None
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
-        None, max_length=MAX_STOP_STRINGS)
-    chat: bool | None = None
-    details: bool | None = None
-    stream: bool | None = None
+        None, max_length=MAX_STOP_STRINGS, description="the completion ends before the first one found")
+    chat: bool | None = Field(None, description="wrap the prompt in the model's chat template")
+    details: bool | None = Field(None, description="add the per-token list")
+    stream: bool | None = Field(None, description="answer with Server-Sent Events")
 
     @field_validator("prompt")
     @classmethod
@@ -76,21 +71,15 @@ class PredictRequest(BaseModel):
 
 
 @dataclass(frozen=True)
-class Params:
-    """A validated request with the configured defaults filled in (seed stays None: the service draws one)."""
+class PredictParams:
+    """A validated /predict request with the configured defaults filled in (a seed of None: the service draws one)."""
 
     prompt: str
-    max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
-    gamma: int | None  # None: adaptive
-    method: str
-    stop: tuple[str, ...]
-    chat: bool
-    details: bool
-    stream: bool
+    sampling: SamplingParams
+    stop: tuple[str, ...] = ()
+    chat: bool = False
+    details: bool = False
+    stream: bool = False
 
 
 def read_json_object(request, max_bytes: int) -> dict:
@@ -140,27 +129,57 @@ def _json_type(value) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def parse_predict(body: dict, settings: Settings) -> Params:
+def sampling_params(settings: Settings, **requested) -> SamplingParams:
+    """The configured defaults with a request's sampling fields (those not None) applied, checked against the
+    server's limits; a bad value is a 422 naming the field."""
+    requested = {name: value for name, value in requested.items() if value is not None}
+    max_new_tokens = requested.get("max_new_tokens", settings.max_new_tokens)
+    if max_new_tokens > settings.max_new_tokens_limit:
+        raise ApiError(422, "invalid_field", f"max_new_tokens must be at most {settings.max_new_tokens_limit}, "
+                                             f"got {max_new_tokens}", "max_new_tokens")
+    gamma = requested.get("gamma")
+    if gamma is not None and gamma > settings.max_gamma:
+        raise ApiError(422, "invalid_field", f"gamma must be at most {settings.max_gamma}, got {gamma}", "gamma")
+    try:
+        return settings.sampling.replace(**requested)
+    except SpecDecError as error:
+        raise ApiError(422, "invalid_field", error.message, error.field) from None
+
+
+def parse_predict(body: dict, settings: Settings) -> PredictParams:
     """Validate a /predict body against the schema and the configured limits; 422 naming the first bad field."""
     try:
         req = PredictRequest.model_validate(body)
     except ValidationError as error:
         raise _invalid_field(error.errors()[0]) from None
-    max_new_tokens = settings.max_new_tokens if req.max_new_tokens is None else req.max_new_tokens
-    if max_new_tokens > settings.max_new_tokens_limit:
-        raise ApiError(422, "invalid_field", f"max_new_tokens must be at most {settings.max_new_tokens_limit}, "
-                                             f"got {max_new_tokens}", "max_new_tokens")
-    if req.gamma is not None and req.gamma > settings.max_gamma:
-        raise ApiError(422, "invalid_field", f"gamma must be at most {settings.max_gamma}, got {req.gamma}", "gamma")
+    sampling = sampling_params(settings, **{name: getattr(req, name) for name in SamplingParams.field_names()})
+    return PredictParams(prompt=req.prompt, sampling=sampling, stop=tuple(req.stop or ()), chat=bool(req.chat),
+                         details=bool(req.details), stream=bool(req.stream))
 
-    def default(value, name):
-        return getattr(settings, name) if value is None else value
 
-    return Params(prompt=req.prompt, max_new_tokens=max_new_tokens,
-                  temperature=default(req.temperature, "temperature"), top_k=default(req.top_k, "top_k"),
-                  top_p=default(req.top_p, "top_p"), seed=req.seed, gamma=default(req.gamma, "gamma"),
-                  method=default(req.method, "method"), stop=tuple(req.stop or ()), chat=bool(req.chat),
-                  details=bool(req.details), stream=bool(req.stream))
+def request_schema(settings: Settings) -> dict:
+    """The JSON Schema of a /predict body, from PredictRequest, with this server's limits and defaults."""
+    schema = PredictRequest.model_json_schema()
+    props = schema["properties"]
+    defaults = settings.sampling
+    _bound(props["max_new_tokens"], maximum=settings.max_new_tokens_limit,
+           default=f"default {defaults.max_new_tokens}")
+    _bound(props["gamma"], maximum=settings.max_gamma,
+           default="default " + ("adaptive" if defaults.gamma is None else str(defaults.gamma)))
+    for name in ("temperature", "top_k", "top_p", "method"):
+        _bound(props[name], default=f"default {getattr(defaults, name)}")
+    props["prompt"]["description"] += f" (at most {settings.max_prompt_tokens} tokens)"
+    return schema
+
+
+def _bound(prop: dict, maximum: int | None = None, default: str | None = None) -> None:
+    """Patch one nullable property's schema: a server-side maximum on its non-null branch, its default."""
+    if maximum is not None:
+        for branch in prop.get("anyOf", [prop]):
+            if branch.get("type") == "integer":
+                branch["maximum"] = maximum
+    if default:
+        prop["description"] = f"{prop['description']}; {default}" if prop.get("description") else default
 
 
 def _invalid_field(error: dict) -> ApiError:
@@ -174,11 +193,6 @@ def _invalid_field(error: dict) -> ApiError:
     else:
         message = f"{where}: {error['msg'].removeprefix('Value error, ')}, got {_short(error.get('input'))}"
     return ApiError(422, "invalid_field", message, field)
-
-
-def _printable(text: str) -> str:
-    """Text that encodes as UTF-8: a lone surrogate echoed from a request becomes a visible escape."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _short(value) -> str:

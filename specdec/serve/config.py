@@ -14,9 +14,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .engine import MAX_GAMMA
+from ..errors import SpecDecError
+from ..params import MAX_GAMMA, SERVED_METHODS, SamplingParams
 
-DEFAULT_FILE = Path(__file__).resolve().parent.parent / "config" / "default.toml"
+DEFAULT_FILE = Path(__file__).resolve().parents[2] / "config" / "default.toml"
 ENV_PREFIX = "SPECDEC_"
 CONFIG_ENV = "SPECDEC_CONFIG"
 ADAPTIVE = "adaptive"
@@ -38,7 +39,7 @@ class Settings(BaseModel):
     device: str = Field(min_length=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"]
     draft_quantization: Literal["int8", "none"]
-    method: Literal["google", "deepmind", "target"]
+    method: Literal[SERVED_METHODS]
     gamma: int | None = Field(ge=1)  # None: adaptive
     max_gamma: int = Field(ge=1, le=MAX_GAMMA)
     temperature: float = Field(ge=0, allow_inf_nan=False)
@@ -84,6 +85,12 @@ class Settings(BaseModel):
         except (ImportError, AttributeError) as error:
             raise ValueError(f"cannot import {value!r}: {error}") from None
 
+    @property
+    def sampling(self) -> SamplingParams:
+        """The decoding defaults a request gets for the fields it leaves out (no seed: each request draws one)."""
+        return SamplingParams(max_new_tokens=self.max_new_tokens, method=self.method, gamma=self.gamma,
+                              temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.max_new_tokens > self.max_new_tokens_limit:
@@ -91,6 +98,10 @@ class Settings(BaseModel):
                              f"({self.max_new_tokens_limit})")
         if self.gamma is not None and self.gamma > self.max_gamma:
             raise ValueError(f"gamma ({self.gamma}) exceeds max_gamma ({self.max_gamma})")
+        try:
+            self.sampling  # noqa: B018 - the defaults must be valid sampling parameters
+        except SpecDecError as error:
+            raise ValueError(f"{error.field}: {error.message}") from None
         return self
 
 

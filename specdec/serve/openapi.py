@@ -1,55 +1,43 @@
-"""The OpenAPI 3.0 description of the HTTP API, served at /openapi.json.
+"""The OpenAPI 3.0.3 description of the HTTP API, served at /openapi.json.
 
-Written by hand to say exactly what api.py accepts (strict types, no unknown fields, null for the default) and
-filled with this server's limits, so a client generator or a fuzzer (schemathesis) sees the real bounds.
+The request schema is generated from the pydantic model that validates requests (protocol.py), with this
+server's limits patched in, so a client generator or a fuzzer (schemathesis) sees the real bounds. pydantic
+writes JSON Schema 2020-12; `openapi30` restates it in OpenAPI 3.0's dialect (nullable, boolean exclusive
+bounds), whose integers are JSON integers only, as the strict request models want them.
 """
 
-from .api import MAX_STOP_CHARS, MAX_STOP_STRINGS, MIN_TEMPERATURE, NOT_BLANK_PATTERN
 from .config import Settings
+from .errors import ERROR_TYPES
+from .protocol import request_schema
 
-ERROR_TYPES = ["invalid_json", "not_found", "method_not_allowed", "body_too_large", "unsupported_media_type",
-               "invalid_field", "prompt_too_long", "overloaded", "not_ready", "internal_error", "bad_request"]
 FINISH_REASONS = ["length", "stop", "time_limit"]
+SOURCES = ["draft", "resampled", "bonus", "target"]
 
 
-def _nullable(schema: dict, description: str) -> dict:
-    return {**schema, "nullable": True, "description": description}
+def _nullable(type_: str) -> dict:
+    return {"type": type_, "nullable": True}
 
 
-def _request_schema(s: Settings) -> dict:
-    return {
-        "type": "object",
-        "additionalProperties": False,
-        "required": ["prompt"],
-        "properties": {
-            "prompt": {"type": "string", "minLength": 1, "pattern": NOT_BLANK_PATTERN,
-                       "description": f"the text to complete; at most {s.max_prompt_tokens} tokens, and prompt "
-                                      f"plus max_new_tokens must fit the model context"},
-            "max_new_tokens": _nullable({"type": "integer", "minimum": 1, "maximum": s.max_new_tokens_limit},
-                                        f"default {s.max_new_tokens}"),
-            "temperature": _nullable({"type": "number", "minimum": 0,
-                                      "not": {"type": "number", "exclusiveMinimum": True, "minimum": 0,
-                                              "maximum": MIN_TEMPERATURE, "exclusiveMaximum": True}},
-                                     f"0 is greedy, otherwise at least {MIN_TEMPERATURE:g}; default "
-                                     f"{s.temperature:g}"),
-            "top_k": _nullable({"type": "integer", "minimum": 0}, f"0 keeps every token; default {s.top_k}"),
-            "top_p": _nullable({"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1},
-                               f"default {s.top_p:g}"),
-            "seed": _nullable({"type": "integer", "minimum": -(2**63), "maximum": 2**64 - 1},
-                              "the same seed and request give the same completion; default random"),
-            "gamma": _nullable({"type": "integer", "minimum": 1, "maximum": s.max_gamma},
-                               "draft tokens proposed per round; default "
-                               + ("adaptive" if s.gamma is None else str(s.gamma))),
-            "method": _nullable({"type": "string", "enum": ["google", "deepmind", "target"]},
-                                f"default {s.method}"),
-            "stop": _nullable({"type": "array", "maxItems": MAX_STOP_STRINGS,
-                               "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
-                              "the completion ends before the first one found"),
-            "chat": _nullable({"type": "boolean"}, "wrap the prompt in the model's chat template"),
-            "details": _nullable({"type": "boolean"}, "add the per-token list"),
-            "stream": _nullable({"type": "boolean"}, "answer with Server-Sent Events"),
-        },
-    }
+def openapi30(schema):
+    """A pydantic (JSON Schema 2020-12) schema in OpenAPI 3.0's dialect: `anyOf [X, null]` becomes X with
+    `nullable: true`, a numeric exclusiveMinimum/Maximum becomes minimum/maximum with a boolean flag, and the
+    `title`s pydantic adds are dropped."""
+    if isinstance(schema, list):
+        return [openapi30(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: openapi30(value) for key, value in schema.items() if key != "title"}
+    branches = schema.get("anyOf")
+    if branches and {"type": "null"} in branches and len(branches) == 2:
+        (other,) = [branch for branch in branches if branch != {"type": "null"}]
+        schema = {**{k: v for k, v in schema.items() if k != "anyOf"}, **other, "nullable": True}
+    for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        value = schema.get(exclusive)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            schema[bound], schema[exclusive] = value, True
+    if schema.get("default", 0) is None:
+        del schema["default"]
+    return schema
 
 
 SCHEMAS = {
@@ -58,12 +46,12 @@ SCHEMAS = {
         "properties": {"error": {
             "type": "object", "required": ["type", "message", "field"], "additionalProperties": False,
             "properties": {"type": {"type": "string", "enum": ERROR_TYPES}, "message": {"type": "string"},
-                           "field": {"type": "string", "nullable": True}}}},
+                           "field": _nullable("string")}}},
     },
     "Token": {
         "type": "object", "required": ["id", "text", "source"],
         "properties": {"id": {"type": "integer"}, "text": {"type": "string"},
-                       "source": {"type": "string", "enum": ["draft", "resampled", "bonus", "target"]}},
+                       "source": {"type": "string", "enum": SOURCES}},
     },
     "Usage": {
         "type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
@@ -76,9 +64,7 @@ SCHEMAS = {
             "text": {"type": "string"},
             "finish_reason": {"type": "string", "enum": FINISH_REASONS},
             "usage": {"$ref": "#/components/schemas/Usage"},
-            "stats": {"type": "object", "required": ["method", "seed"],
-                      "properties": {"method": {"type": "string"}, "seed": {"type": "integer"},
-                                     "acceptance_rate": {"type": "number", "nullable": True}}},
+            "stats": {"$ref": "#/components/schemas/GenerationStats"},
             "tokens": {"type": "array", "items": {"$ref": "#/components/schemas/Token"}},
         },
     },
@@ -88,7 +74,7 @@ SCHEMAS = {
                        "models": {"type": "object", "required": ["draft", "target"],
                                   "properties": {"draft": {"type": "string"}, "target": {"type": "string"}}},
                        "device": {"type": "string"}, "dtype": {"type": "string"},
-                       "context_length": {"type": "integer", "nullable": True}},
+                       "context_length": _nullable("integer")},
     },
     "Health": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string", "enum": ["ok"]}}},
 }
@@ -154,5 +140,16 @@ def openapi_document(settings: Settings) -> dict:
                                       "responses": {"200": _ok("OpenAPI 3.0.3",
                                                                {"application/json": {"schema": {"type": "object"}}})}}},
         },
-        "components": {"schemas": {"PredictRequest": _request_schema(settings), **SCHEMAS}},
+        "components": {"schemas": {"PredictRequest": openapi30(request_schema(settings)),
+                                   "GenerationStats": openapi30(stats_schema()),
+                                   **SCHEMAS}},
     }
+
+
+def stats_schema() -> dict:
+    """GenerationStats as JSON Schema, from the dataclass itself (pydantic's TypeAdapter reads its fields)."""
+    from pydantic import TypeAdapter
+
+    from ..stats import GenerationStats
+
+    return TypeAdapter(GenerationStats).json_schema()

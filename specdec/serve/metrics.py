@@ -2,6 +2,8 @@
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..stats import GenerationStats
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
 
 
@@ -32,12 +34,14 @@ class Metrics:
         self.requests.labels(endpoint, str(status)).inc()
         self.latency.labels(endpoint).observe(seconds)
 
-    def observe_generation(self, prompt_tokens: int, stats: dict) -> None:
+    def observe_generation(self, prompt_tokens: int, stats: GenerationStats | None) -> None:
+        """One generation, finished or abandoned (its stats so far); None: a stream that was not the engine's."""
         self.prompt_tokens.inc(prompt_tokens)
-        self.generated_tokens.inc(stats.get("new_tokens") or 0)
-        if stats.get("proposed") is not None:  # unknown when a stop string ended decoding early
-            self.proposed_tokens.inc(stats["proposed"])
-            self.accepted_tokens.inc(stats.get("accepted") or 0)
+        if stats is None:
+            return
+        self.generated_tokens.inc(stats.new_tokens)
+        self.proposed_tokens.inc(stats.proposed)
+        self.accepted_tokens.inc(stats.accepted)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

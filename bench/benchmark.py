@@ -25,16 +25,17 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from .adaptive import expected_speedup, fit_alpha
-from .engine import SpeculativeDecoder
-from .kv_cache import input_device
-from .loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels, use_stock_kernels
+from specdec.adaptive import expected_speedup, fit_alpha
+from specdec.engine import SpeculativeDecoder
+from specdec.kv_cache import input_device
+from specdec.loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels, use_stock_kernels
+from specdec.text import encode_prompt
 
 OUR_METHODS = ("target", "draft", "google", "deepmind", "adaptive")
 HF_METHODS = ("hf_target", "hf_assisted", "hf_assisted_own_memory")
 MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
          "sampling": dict(temperature=1.0, top_k=0, top_p=0.9)}
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
 
 
 def load_prompts(path, limit: int | None = None) -> list[dict]:
@@ -45,11 +46,7 @@ def load_prompts(path, limit: int | None = None) -> list[dict]:
 
 
 def encode(tokenizer, item: dict) -> list[int]:
-    if item.get("chat") and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": item["prompt"]}],
-                                            add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer(item["prompt"]).input_ids
+    return encode_prompt(tokenizer, item["prompt"], chat=bool(item.get("chat")) and bool(tokenizer.chat_template))
 
 
 def machine_info() -> dict:
@@ -401,7 +398,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m specdec.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.benchmark", description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default=None, help="draft model (default: the default pair)")
     parser.add_argument("--target", default=None, help="target model (default: the default pair)")
     parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
@@ -463,7 +460,7 @@ def main(argv=None) -> int:
                      "sweep_gamma": sweep_gamma, **{k: v for k, v in stats.items() if k != "method"}})
 
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["python -m specdec.bench"] + (argv if argv is not None else sys.argv[1:])),
+              "command": " ".join(["python -m bench.benchmark"] + (argv if argv is not None else sys.argv[1:])),
               "machine": machine_info(), "draft": args.draft or "default", "target": args.target or "default",
               "draft_quantization": args.draft_quantization,
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,

@@ -1,12 +1,47 @@
-"""Committed token ids to completion text, incrementally: UTF-8-safe detokenization, stop strings, per-token text.
+"""Text in and out of the engine: prompts (or chat messages) to token ids, and committed token ids to text,
+incrementally (UTF-8-safe detokenization, stop strings, per-token text).
 
-The engine knows nothing about text; the service feeds each committed chunk to a Completion and sends what it
-says is safe to send.
+The engine knows nothing about text; the CLI and the service encode through `encode_prompt`/`encode_messages`
+and feed each committed chunk to a Detokenizer or a Completion.
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+
+from .errors import SpecDecError
 
 PROMPT_CONTEXT = 6  # prompt tokens decoded along with the first new ones, so a leading space survives
+
+
+def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Token ids of chat messages ({"role", "content"} with string content) through the tokenizer's chat
+    template, with the generation prompt added: ready for the assistant's reply."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise SpecDecError("the target's tokenizer has no chat template", field="chat")
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """Token ids of a prompt: as plain text (with the tokenizer's special tokens), or with `chat` as one user
+    turn in the chat template."""
+    if chat:
+        return encode_messages(tokenizer, [{"role": "user", "content": text}])
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
+def decoder_of(tokenizer) -> Callable[[list[int]], str]:
+    """token ids -> text as completions show it: special tokens skipped, spaces as the tokens have them."""
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def token_pieces(decode: Callable[[list[int]], str], token_ids: list[int], prompt_ids: Sequence[int] = ()) -> list[str]:
+    """The text each token adds, decoded in context; a token ending inside a multi-byte character shows with
+    the next one, and the last piece holds anything still held back."""
+    detokenizer = Detokenizer(decode, list(prompt_ids))
+    pieces = [detokenizer.add(token) for token in token_ids]
+    if pieces:
+        pieces[-1] += detokenizer.flush()
+    return pieces
 
 
 class Detokenizer:

@@ -1,7 +1,7 @@
-"""`make stress` (`python -m specdec.stress`): load, faults and a soak against the service under gunicorn on
+"""`make stress` (`python -m bench.stress`): load, faults and a soak against the service under gunicorn on
 127.0.0.1 with a tiny random pair. Prints a Markdown table of the figures and writes them as JSON.
 
-Nothing downloads: the pair is saved with the tests' tiny-model helper (tests/conftest.py) into a temporary
+Nothing downloads: the pair is saved with the tests' tiny-model helper (tests/support/models.py) into a temporary
 folder. `faulty_pair` is the loader the server runs with: the pair, plus faults a prompt can ask for (an
 exception or an out-of-memory error inside the target's forward) and an optional delay per target forward.
 The functional versions of these checks, smaller, are in tests/test_hardening_gunicorn.py.
@@ -31,13 +31,13 @@ PREDICT = '{endpoint="/predict",status="200"}'
 # --- the server under test -------------------------------------------------------------------------------------
 
 def faulty_pair(settings):
-    """A loader (SPECDEC_LOADER=specdec.stress:faulty_pair): the service's own loading, with faults triggered by
+    """A loader (SPECDEC_LOADER=bench.stress:faulty_pair): the service's own loading, with faults triggered by
     prompt markers."""
     import torch
 
-    from .service import _load_pair
+    from specdec.serve.loader import load_configured_pair
 
-    draft, target, tokenizer = _load_pair(settings)
+    draft, target, tokenizer = load_configured_pair(settings)
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     faults = [(tokenizer.encode(RAISE_MARKER, add_special_tokens=False), lambda: RuntimeError("injected fault")),
               (tokenizer.encode(OOM_MARKER, add_special_tokens=False),
@@ -133,17 +133,14 @@ class Server:
 def start_server(folder: Path, pair: tuple[str, str], name: str, delay: float = 0.0, **settings) -> Server:
     draft_dir, target_dir = pair
     settings = {"draft_model": draft_dir, "target_model": target_dir, "device": "cpu",
-                "loader": "specdec.stress:faulty_pair", **settings}
+                "loader": "bench.stress:faulty_pair", **settings}
     return Server(folder / f"{name}.log", env={DELAY_ENV: str(delay)}, **settings).wait_ready()
 
 
 def save_pair(folder: Path) -> tuple[str, str]:
     """The tests' tiny pair (a random 2-layer Llama target, a perturbed draft, a character tokenizer)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    try:
-        from conftest import save_tiny_pair
-    finally:
-        sys.path.remove(str(ROOT / "tests"))
+    from tests.support.models import save_tiny_pair
+
     return save_tiny_pair(folder)
 
 
@@ -462,7 +459,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     started = time.time()
-    figures: dict = {"command": " ".join(["python -m specdec.stress", *(argv if argv is not None else sys.argv[1:])]),
+    figures: dict = {"command": " ".join(["python -m bench.stress", *(argv if argv is not None else sys.argv[1:])]),
                      "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
                      "settings": {"queue_size": 4, "retry_after": 1, "forward_delay_s": args.delay}, "faults": {}}
     with tempfile.TemporaryDirectory(prefix="specdec-stress-") as tmp:

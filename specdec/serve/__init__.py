@@ -1,0 +1,14 @@
+"""The HTTP service around one resident SpeculativeDecoder: `create_app` for gunicorn, `main` for
+`specdec-serve`.
+
+    app.py        the application factory         routes.py      the Blueprint of routes
+    protocol.py   request models and parsing      errors.py      error answers
+    config.py     settings                        service.py     a request's path: encode, queue, generate
+    loader.py     loading the pair                generation.py  driving one generation, JSON or SSE
+    scheduler.py  one at a time, bounded queue    metrics.py     Prometheus
+    openapi.py    /openapi.json from the models   server.py      gunicorn
+"""
+
+from .app import create_app
+
+__all__ = ["create_app"]

@@ -1,0 +1,64 @@
+"""`create_app`: the Flask application factory (gunicorn calls it in its worker; tests call it directly).
+
+Settings come from config/default.toml < $SPECDEC_CONFIG < SPECDEC_* variables < `config`. The factory
+registers the routes' Blueprint, the per-request record (request id, one log line, metrics) and the one error
+handler, then starts loading the pair in the background.
+"""
+
+import re
+import uuid
+from collections.abc import Mapping
+
+from flask import Flask, g, jsonify, request
+
+from .config import load_settings
+from .errors import to_api_error
+from .routes import routes
+from .service import RequestRecord, Service
+
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def create_app(config: Mapping | None = None) -> Flask:
+    """The application. `config` overrides settings (see config.py), e.g. {"loader": fn} in tests."""
+    settings = load_settings(config)
+    app = Flask(__name__)
+    # one byte of slack: werkzeug stops a chunked body at the limit without saying so; protocol.py checks it
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes + 1
+    app.json.sort_keys = False
+    app.json.ensure_ascii = False
+    service = Service(settings)
+    app.extensions["specdec"] = service
+
+    @app.before_request
+    def start_record():
+        sent = request.headers.get("X-Request-ID", "")
+        g.record = RequestRecord(sent if REQUEST_ID.fullmatch(sent) else uuid.uuid4().hex)
+
+    @app.after_request
+    def finish_record(response):
+        record = g.record
+        record.status = response.status_code
+        if request.url_rule is not None:
+            record.endpoint = request.url_rule.rule
+        elif response.status_code == 405:  # a known path: the label set stays bounded
+            record.endpoint = request.path
+        record.route = f"{request.method} {request.path}"
+        response.headers["X-Request-ID"] = record.request_id
+        if response.is_streamed:
+            response.call_on_close(lambda: service.finish(record))
+        else:
+            service.finish(record)
+        return response
+
+    @app.errorhandler(Exception)
+    def error_response(error):
+        record = g.get("record")
+        api_error = to_api_error(error, record.request_id if record else None)
+        if record:
+            record.error = api_error.type
+        return jsonify(api_error.body()), api_error.status, api_error.headers
+
+    app.register_blueprint(routes)
+    service.start_loading()
+    return app

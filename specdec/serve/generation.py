@@ -1,0 +1,142 @@
+"""Driving one generation: pull rounds from the engine's stream, assemble the text, stop at stop strings, keep
+the time budget, and render the answer as JSON or as Server-Sent Events.
+
+`close` stops the engine, releases its slot and records the outcome; it is idempotent and runs on every path:
+normal end, stop string, time limit, client disconnect, error.
+"""
+
+import json
+import threading
+import time
+from dataclasses import replace
+
+from ..stats import GenerationStats
+from ..text import Completion
+from .errors import to_api_error
+
+
+class Generation:
+    """One request's decoding, from the engine stream it was given to its last event."""
+
+    def __init__(self, service, stream, slot, record, prompt_ids: list[int], max_new_tokens: int,
+                 stop=(), details: bool = False):
+        self.service, self.stream, self.slot, self.record = service, stream, slot, record
+        self.prompt_ids, self.max_new_tokens, self.details = prompt_ids, max_new_tokens, details
+        self.completion = Completion(service.decode, prompt_ids, stop)
+        self.result = None
+        self.new_tokens = 0
+        self.deadline = time.perf_counter() + service.settings.request_timeout  # the engine is ours until then
+        self.timed_out = False
+        self.closed = False
+        self._close_lock = threading.Lock()
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.completion.stopped
+
+    def step(self) -> list[dict] | None:
+        """Decode one round; the tokens it kept, or None when decoding has ended."""
+        if self.done:
+            return None
+        try:
+            chunk = next(self.stream)
+        except StopIteration as end:
+            self.result = end.value
+            self.completion.finish()
+            return None
+        self.new_tokens += len(chunk.token_ids)
+        kept = self.completion.feed(chunk.token_ids, chunk.sources)
+        if self.completion.stopped:  # a stop string: no more rounds, but keep the engine's stats
+            self._end()
+        elif time.perf_counter() > self.deadline and not self._finished_by(chunk):  # the time budget is spent
+            self.timed_out = True
+            self._end()
+            self.completion.finish()
+        return kept
+
+    def _end(self) -> None:
+        """End decoding after the round just committed; the engine returns its result (and stats)."""
+        try:
+            self.stream.send("stop")
+        except StopIteration as end:
+            self.result = end.value
+
+    def _finished_by(self, chunk) -> bool:
+        """Whether this round ended decoding anyway (max_new_tokens reached, or an end-of-sequence token)."""
+        return (self.new_tokens >= self.max_new_tokens
+                or bool(chunk.token_ids) and chunk.token_ids[-1] in self.service.models.eos_token_ids)
+
+    def run(self) -> None:
+        while self.step() is not None:
+            pass
+
+    def finish_reason(self) -> str | None:
+        if self.completion.stopped:
+            return "stop"
+        if self.timed_out:
+            return "time_limit"
+        return self.result.finish_reason if self.result is not None else None
+
+    def stats(self) -> GenerationStats | None:
+        """The engine's stats (so far, if abandoned), with the wait for the engine; None for a stream that is not
+        the engine's."""
+        if self.result is not None:
+            stats = self.result.stats
+        elif hasattr(self.stream, "stats"):
+            stats = self.stream.stats()
+        else:
+            return None
+        return replace(stats, queue_seconds=self.slot.waited)
+
+    def usage(self) -> dict:
+        completion = len(self.completion.tokens)
+        return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
+                "total_tokens": len(self.prompt_ids) + completion}
+
+    def body(self) -> dict:
+        """The /predict answer."""
+        stats = self.stats()
+        body = {"text": self.completion.text, "finish_reason": self.finish_reason(), "usage": self.usage(),
+                "stats": stats.as_dict() if stats else None}
+        if self.details:
+            body["tokens"] = self.completion.tokens
+        return body
+
+    def events(self):
+        """/predict's Server-Sent Events: one per committed chunk, then one with finish_reason, usage and stats."""
+        try:
+            while (kept := self.step()) is not None:
+                event = {"text": self.completion.take()}
+                if self.details:
+                    event["tokens"] = kept
+                yield sse(event)
+            final = self.body()
+            final["text"] = self.completion.take()
+            final.pop("tokens", None)
+            yield sse(final)
+        except Exception as error:  # the status line is sent already: report in-band, keep serving
+            api_error = to_api_error(error, self.record.request_id)
+            self.record.error = api_error.type
+            yield sse(api_error.body())
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self.closed:
+                return
+            self.closed = True
+        try:
+            self.stream.close()
+        finally:
+            self.slot.release()
+        record = self.record
+        record.completion_tokens = len(self.completion.tokens)
+        record.finish_reason = self.finish_reason() or "cancelled"
+        stats = self.stats()
+        record.acceptance_rate = stats.acceptance_rate if stats else None
+        self.service.metrics.observe_generation(len(self.prompt_ids), stats)
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,103 @@
+"""Loading the pair once per process, in a background thread: /healthz answers at once, /readyz says 503 until
+the draft, the target and the tokenizer are resident and warmed up.
+
+Under gunicorn this runs in the worker, after fork (CUDA cannot be re-initialised in a forked child).
+"""
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from ..engine import SpeculativeDecoder, eos_token_ids
+from ..errors import SpecDecError
+from ..kv_cache import input_device
+from .config import Settings
+from .errors import ApiError
+
+logger = logging.getLogger(__name__)
+
+
+class ModelHost:
+    """The resident pair of one app: `decoder`, `tokenizer` and `eos_token_ids` once loaded, or `load_error`."""
+
+    def __init__(self, settings: Settings, on_ready: Callable[[], None] = lambda: None):
+        self.settings = settings
+        self.decoder: SpeculativeDecoder | None = None
+        self.tokenizer = None
+        self.eos_token_ids: list[int] = []
+        self.info: dict = {}
+        self.load_error: str | None = None
+        self._on_ready = on_ready
+        self._loaded = threading.Event()
+        self._lock = threading.Lock()
+        self._failure_callbacks: list[Callable[[str], None]] = []
+
+    def start(self) -> None:
+        threading.Thread(target=self._load, name="specdec-load", daemon=True).start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once loading has finished (successfully or not) within `timeout` seconds."""
+        return self._loaded.wait(timeout)
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(message)` if loading fails (at once, if it already has). gunicorn exits the worker."""
+        with self._lock:
+            if self.load_error is None:
+                self._failure_callbacks.append(callback)
+                return
+        callback(self.load_error)
+
+    def require_ready(self) -> None:
+        if self.decoder is not None:
+            return
+        if self.load_error is not None:  # the reason (paths and all) is in the log, not in answers
+            raise ApiError(503, "not_ready", "model loading failed; the server log says why")
+        raise ApiError(503, "not_ready", "the models are still loading",
+                       headers={"Retry-After": str(self.settings.retry_after)})
+
+    def _load(self) -> None:
+        s = self.settings
+        start = time.perf_counter()
+        logger.info("loading draft %s and target %s (device %s, dtype %s)", s.draft_model, s.target_model,
+                    s.device, s.dtype)
+        try:
+            draft, target, tokenizer = (s.loader or load_configured_pair)(s)
+            decoder = SpeculativeDecoder(draft, target, tokenizer)
+            self.eos_token_ids = sorted(eos_token_ids(target, tokenizer))
+            warmup = tokenizer.encode("Hello", add_special_tokens=False)[:1] or [0]
+            decoder.generate(warmup, params=s.sampling.replace(max_new_tokens=2, temperature=0.0))
+            self.info = {"models": {"draft": display_name(draft, s.draft_model),
+                                    "target": display_name(target, s.target_model)},
+                         "device": str(input_device(target)), "dtype": str(target.dtype).removeprefix("torch."),
+                         "context_length": decoder.context_length}
+            self.tokenizer, self.decoder = tokenizer, decoder
+            self._on_ready()
+            logger.info("models ready in %.1f s: %s", time.perf_counter() - start, json.dumps(self.info))
+        except Exception as error:  # noqa: BLE001 - any failure must be reported, and stops a gunicorn worker
+            message = str(error) if isinstance(error, SpecDecError) else f"{type(error).__name__}: {error}"
+            logger.error("model loading failed: %s", message, exc_info=not isinstance(error, SpecDecError))
+            with self._lock:
+                self.load_error = message
+                callbacks = list(self._failure_callbacks)
+            for callback in callbacks:
+                callback(message)
+        finally:
+            self._loaded.set()
+
+
+def load_configured_pair(settings: Settings):
+    """specdec.load_pair with the model settings (the default loader)."""
+    from ..loading import load_pair  # the model-loading stack is imported only when a pair is loaded
+
+    return load_pair(draft=settings.draft_model, target=settings.target_model, device=settings.device,
+                     dtype=settings.dtype, draft_quantization=settings.draft_quantization)
+
+
+def display_name(model, configured: str) -> str:
+    """The model's name for /readyz: a Hugging Face id as is, a local folder or file by its last component only
+    (answers never show server paths)."""
+    name = str(getattr(model, "name_or_path", None) or configured)
+    return os.path.basename(os.path.normpath(name)) if os.path.exists(name) else name

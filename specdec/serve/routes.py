@@ -1,0 +1,44 @@
+"""The routes of the service, as one Blueprint: health, readiness, metrics, the OpenAPI document, /predict."""
+
+from flask import Blueprint, Response, current_app, g, request
+
+from .openapi import openapi_document
+from .protocol import parse_predict, read_json_object
+
+routes = Blueprint("specdec", __name__)
+
+
+def service():
+    return current_app.extensions["specdec"]
+
+
+@routes.get("/healthz")
+def healthz():
+    return {"status": "ok"}
+
+
+@routes.get("/readyz")
+def readyz():
+    service().require_ready()
+    return {"status": "ready", **service().models.info}
+
+
+@routes.get("/metrics")
+def metrics():
+    body, content_type = service().metrics.render()
+    return Response(body, content_type=content_type)
+
+
+@routes.get("/openapi.json")
+def openapi():
+    return openapi_document(service().settings)
+
+
+@routes.post("/predict")
+def predict():
+    svc = service()
+    params = parse_predict(read_json_object(request, svc.settings.max_body_bytes), svc.settings)
+    svc.require_ready()
+    prompt_ids = svc.encode(params.prompt, chat=params.chat, max_new_tokens=params.sampling.max_new_tokens)
+    generation = svc.generation(prompt_ids, params.sampling, g.record, params.stop, params.details)
+    return svc.respond(generation, params.stream)

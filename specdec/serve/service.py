@@ -1,0 +1,161 @@
+"""Request orchestration: one app's state (settings, metrics, scheduler, the resident pair) and the path of a
+request through it: encode and check the prompt, wait for the engine, start its Generation, log one line.
+
+Requests go through the engine one at a time (see scheduler.py); the routes live in routes.py.
+"""
+
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from flask import Response, jsonify, request
+
+from ..params import SamplingParams
+from ..text import decoder_of, encode_messages, encode_prompt
+from .config import Settings
+from .errors import ApiError
+from .generation import Generation
+from .loader import ModelHost
+from .metrics import Metrics
+from .scheduler import Overloaded, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestRecord:
+    """What the per-request log line and the request metrics say about one request."""
+
+    request_id: str
+    started: float = field(default_factory=time.perf_counter)
+    status: int | None = None
+    endpoint: str = "unmatched"
+    route: str = ""
+    error: str | None = None
+    method: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    acceptance_rate: float | None = None
+    finish_reason: str | None = None
+    generation: Generation | None = None
+    done: bool = False
+
+
+class Service:
+    """Per-app state: settings, metrics, the scheduler, and the resident pair (`models`)."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(settings.queue_size, settings.queue_timeout, self.metrics.queue_changed)
+        self.models = ModelHost(settings, on_ready=lambda: self.metrics.ready.set(1))
+        self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe for concurrent use
+
+    # --- the resident pair (see loader.py) -----------------------------------------------------------------
+
+    @property
+    def decoder(self):
+        return self.models.decoder
+
+    @property
+    def tokenizer(self):
+        return self.models.tokenizer
+
+    def start_loading(self) -> None:
+        self.models.start()
+
+    def wait_until_loaded(self, timeout: float | None = None) -> bool:
+        return self.models.wait(timeout)
+
+    def on_load_failure(self, callback) -> None:
+        self.models.on_failure(callback)
+
+    def require_ready(self) -> None:
+        self.models.require_ready()
+
+    # --- a request -----------------------------------------------------------------------------------------
+
+    def decode(self, token_ids: list[int]) -> str:
+        with self._tokenizer_lock:
+            return decoder_of(self.tokenizer)(token_ids)
+
+    def encode(self, prompt: str | None = None, chat: bool = False, messages: list[dict] | None = None,
+               max_new_tokens: int = 0, field_name: str = "prompt") -> list[int]:
+        """The prompt's (or the chat messages') token ids, checked against the length limits."""
+        with self._tokenizer_lock:
+            if messages is not None or chat:
+                if not getattr(self.tokenizer, "chat_template", None):
+                    raise ApiError(422, "invalid_field", "this model has no chat template",
+                                   "chat" if messages is None else field_name)
+                ids = encode_messages(self.tokenizer, messages or [{"role": "user", "content": prompt}])
+            else:
+                ids = encode_prompt(self.tokenizer, prompt)
+        if not ids:
+            raise ApiError(422, "invalid_field", "the prompt encodes to no tokens", field_name)
+        if len(ids) > self.settings.max_prompt_tokens:
+            raise ApiError(422, "prompt_too_long", f"the prompt has {len(ids)} tokens; the limit is "
+                                                   f"{self.settings.max_prompt_tokens}", field_name)
+        context = self.decoder.context_length
+        if context is not None and len(ids) + max_new_tokens > context:
+            raise ApiError(422, "prompt_too_long",
+                           f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new_tokens}, but "
+                           f"the model context holds {context} tokens", field_name)
+        return ids
+
+    def generation(self, prompt_ids: list[int], sampling: SamplingParams, record: RequestRecord, stop=(),
+                   details: bool = False) -> Generation:
+        """Wait for the engine (503 when overloaded) and start decoding: the Generation that drives it."""
+        record.method = sampling.method
+        record.prompt_tokens = len(prompt_ids)
+        if sampling.seed is None:
+            sampling = sampling.replace(seed=secrets.randbits(63))
+        try:
+            slot = self.scheduler.acquire()
+        except Overloaded as error:
+            raise ApiError(503, "overloaded", str(error),
+                           headers={"Retry-After": str(self.settings.retry_after)}) from None
+        try:
+            stream = self.decoder.stream(prompt_ids, params=sampling, eos_token_id=self.models.eos_token_ids)
+        except BaseException:
+            slot.release()
+            raise
+        generation = record.generation = Generation(self, stream, slot, record, prompt_ids,
+                                                    sampling.max_new_tokens, stop, details)
+        return generation
+
+    def respond(self, generation: Generation, stream: bool, events=None, body=None) -> Response:
+        """Run a generation to its JSON answer (`body(generation)`), or answer with its Server-Sent Events."""
+        if stream:
+            # A client that stops reading would block a write, and hold the engine, for ever: under gunicorn, no
+            # write of this stream may block longer than the time budget (gunicorn resets it for the next request).
+            sock = request.environ.get("gunicorn.socket")
+            if sock is not None:
+                sock.settimeout(self.settings.request_timeout)
+            return Response((events or Generation.events)(generation), mimetype="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            generation.run()
+        finally:
+            generation.close()
+        return jsonify((body or Generation.body)(generation))
+
+    def finish(self, record: RequestRecord) -> None:
+        """End of a request (for a stream: when the server closes it): release, count, log one line."""
+        if record.done:
+            return
+        record.done = True
+        if record.generation is not None:
+            record.generation.close()
+        seconds = time.perf_counter() - record.started
+        self.metrics.observe_request(record.endpoint, record.status or 0, seconds)
+        rate = "-" if record.acceptance_rate is None else f"{record.acceptance_rate:.3f}"
+        logger.info("request_id=%s %s status=%s prompt_tokens=%s completion_tokens=%s method=%s "
+                    "acceptance_rate=%s seconds=%.3f finish_reason=%s error=%s", record.request_id, record.route,
+                    record.status, _dash(record.prompt_tokens), _dash(record.completion_tokens),
+                    _dash(record.method), rate, seconds, _dash(record.finish_reason), _dash(record.error))
+
+
+def _dash(value) -> str:
+    return "-" if value is None else str(value)

@@ -1,0 +1,72 @@
+"""GenerationStats: what one generation did and cost, for finished and abandoned generations alike.
+
+The engine fills it; the CLI prints it, the service serialises it (`asdict`) and feeds its metrics from it, the
+benchmark aggregates it. Reading it like a dict (`stats["new_tokens"]`) still works, as it did when it was one.
+"""
+
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass(frozen=True, eq=True)
+class GenerationStats(Mapping):
+    method: str
+    gamma: int | None  # None: adaptive, or a method without proposals
+    seed: int
+    prompt_tokens: int
+    new_tokens: int  # generated tokens only, never the prompt's
+    proposed: int  # draft tokens proposed to the target
+    accepted: int  # ... and accepted by it
+    acceptance_rate: float | None  # accepted / proposed
+    tokens_per_target_forward: float | None  # the mean acceptance length
+    rounds: int
+    draft_forwards: int
+    target_forwards: int
+    draft_seconds: float
+    target_seconds: float
+    # each model's first forward (the prompt prefill, with the first proposal or token): the forwards after it
+    # are the per-token costs that the Leviathan model's c describes
+    draft_prefill_seconds: float
+    target_prefill_seconds: float
+    other_seconds: float  # outside both models' forwards: sampling, verification, bookkeeping
+    total_seconds: float
+    tokens_per_second: float | None
+    # the first round includes the prompt prefill (time to first token); the rounds after it are the steady
+    # state that Leviathan et al.'s expected speedup describes
+    first_chunk_seconds: float
+    first_chunk_tokens: int
+    decode_tokens_per_second: float | None
+    # accepted_per_position[i]: rounds whose draft token at position i (0-based) was accepted
+    accepted_per_position: list[int] = field(default_factory=list)
+    finished: bool = True  # False: abandoned (client gone, error) before the engine returned
+    queue_seconds: float | None = None  # the service's wait for the engine; None outside the service
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    # --- read-only mapping view --------------------------------------------------------------------------------
+
+    def __getitem__(self, key: str):
+        if key not in self._names():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def summed(stats: "list[GenerationStats] | tuple[GenerationStats, ...]") -> dict:
+    """Totals over several generations: tokens, seconds, proposals and acceptances (the CLI's table)."""
+    proposed = sum(s.proposed for s in stats)
+    accepted = sum(s.accepted for s in stats)
+    tokens = sum(s.new_tokens for s in stats)
+    seconds = sum(s.total_seconds for s in stats)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds if seconds > 0 else None,
+            "acceptance_rate": accepted / proposed if proposed else None}

@@ -1,21 +1,23 @@
 """The speculative verification rules as pure functions: token by token, and block verification.
 
 Notation follows Leviathan et al. 2023: p is the target's distribution, q the draft's. (Chen et al. 2023 swap
-the letters: their q is the target.)
+the letters: their q is the target; Sun et al. write M_b for the target, M_s for the draft.) For a block of
+k draft tokens, p_i and q_i are the distributions of the i-th token, after x_1..x_{i-1}; p_{k+1} is the bonus.
 
-Token verification (Leviathan et al. Alg. 1, Chen et al. Alg. 2): a draft token x drawn from q is accepted
-with probability min(1, p(x) / q(x)); at the first rejection the next token is drawn from norm(max(0, p - q)).
+Token verification (Leviathan et al. Alg. 1, Chen et al. Alg. 2): each x_i is accepted with probability
+min(1, p_i(x_i) / q_i(x_i)); at the first rejection the next token is drawn from norm(max(0, p_i - q_i)).
 
 Block verification (Sun et al., "Block Verification Accelerates Speculative Decoding", ICLR 2025, Alg. 2)
-judges the block jointly. It carries a weight p_i for each accepted prefix x_1..x_i and scans the block from the
-end, stopping at the longest prefix that passes its test; it samples the next token from a residual scaled by
-that prefix's weight. Both rules are exact; block verification never accepts fewer tokens in expectation.
+judges the block jointly. Each prefix x_1..x_i gets a weight w_i (the paper's p_i), the running likelihood
+ratio clipped at 1; the block is scanned from its end, and the first (longest) prefix to pass its test is
+kept; the next token comes from a residual in which p is scaled by that prefix's weight. Both rules are exact;
+block verification never accepts fewer tokens in expectation over the draft.
 
-Both `token_verify` and `block_verify` take the same arguments and return (tau, next_probs): the number of
+`token_verify` and `block_verify` take the same arguments and return (tau, next_probs): the number of
 accepted draft tokens and the (V,) distribution to draw the next token from, so a caller can hold either.
-Throughout, k is the block length and V the vocabulary: draft_tokens x_1..x_k (k,) long; draft_probs (k, V),
-row i the q that x_{i+1} was drawn from; target_probs (k + 1, V), row i the target's p after x_1..x_i (the last
-row gives the bonus token); uniforms (k,) float64 in [0, 1), one per draft token.
+Shapes, for k draft tokens over a vocabulary of V: draft_tokens x_1..x_k (k,) long; draft_probs (k, V), row
+i - 1 is q_i; target_probs (k + 1, V), row i - 1 is p_i (the last row is p_{k+1}); uniforms (k,) float64 in
+[0, 1), one per draft token.
 """
 
 import torch
@@ -42,7 +44,7 @@ def num_accepted(mask: torch.Tensor) -> int:
 def residual_probs(target_probs: torch.Tensor, draft_probs: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
     """norm(max(0, weight * p - q)), the distribution to resample from after a rejection.
 
-    weight is 1 for token verification and the accepted prefix's weight p_tau for block verification.
+    weight is 1 for token verification and the kept prefix's weight w_tau for block verification.
     If the difference has no positive mass (a rejection there had probability ~0), fall back to p.
     """
     residual = (target_probs * weight if weight != 1.0 else target_probs) - draft_probs
@@ -78,10 +80,10 @@ def token_expected_accepted(draft_tokens: torch.Tensor, draft_probs: torch.Tenso
 
 
 def block_weights(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor) -> list[float]:
-    """[p_0, .., p_k]: p_0 = 1, p_i = min(1, p_{i-1} * p_i(x_i) / q_i(x_i)) (Sun et al. Alg. 2).
+    """[w_0, .., w_k]: w_0 = 1, w_i = min(1, w_{i-1} * p_i(x_i) / q_i(x_i)) (Sun et al. Alg. 2, their p_i).
 
-    Given x_1..x_i (averaging over the draft tokens after it), block verification keeps that prefix with
-    probability p_i; token verification keeps it with prod_{j <= i} min(1, p_j(x_j) / q_j(x_j)), which is never
+    Given x_1..x_i (averaged over the draft tokens after it), block verification keeps that prefix with
+    probability w_i; token verification keeps it with prod_{j <= i} min(1, p_j(x_j) / q_j(x_j)), which is never
     larger. Hence the expected tau is never smaller, though for one drawn block it can be. target_probs needs
     only its first k rows. Written as a comparison first, so a weight never divides by a q(x) of 0.
     """
@@ -96,14 +98,20 @@ def block_weights(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_
     return weights
 
 
-def block_accept_probs(weights: list[float], residual_mass: torch.Tensor) -> torch.Tensor:
-    """(k,) float64 h_1..h_k: the probability of stopping the backward scan at prefix i, once it reaches i.
+def block_residual_mass(weights: list[float], draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """(k,) row i: m_i = sum_x max(0, w_i * p_{i+1}(x) - q_{i+1}(x)), the residual's mass after x_1..x_i."""
+    k = draft_probs.size(0)
+    weight = torch.tensor(weights[:k], dtype=target_probs.dtype, device=target_probs.device).unsqueeze(-1)
+    return (weight * target_probs[:k] - draft_probs).clamp_min_(0).sum(-1)
 
-    residual_mass (k,): row i is sum_x max(0, p_i * p_{i+1}(x) - q_{i+1}(x)), the weighted residual's mass
-    after x_1..x_i (row 0 is unused). Sun et al. Alg. 2:
-        h_i = mass_i / (mass_i + 1 - p_i) for i < k,   h_k = p_k.
-    Where both mass_i and 1 - p_i are 0 the scan can never reach i (p_i = 1 and p_{i+1} = q_{i+1} force a
-    stop above i); h_i is set to 1 there.
+
+def block_accept_probs(weights: list[float], residual_mass: torch.Tensor) -> torch.Tensor:
+    """(k,) float64 h_1..h_k: the probability that the backward scan, having reached prefix i, stops there.
+
+    From the weights w_0..w_k and residual_mass m_0..m_{k-1} (m_0 is unused), Sun et al. Alg. 2:
+        h_i = m_i / (m_i + 1 - w_i) for i < k,   h_k = w_k.
+    Where both m_i and 1 - w_i are 0 the scan never reaches i (w_i = 1 and p_{i+1} = q_{i+1} make every later
+    weight 1, so the scan stops above i); h_i is set to 1 there.
     """
     k = len(weights) - 1
     mass = residual_mass.detach().to("cpu", torch.float64).tolist()
@@ -114,21 +122,14 @@ def block_accept_probs(weights: list[float], residual_mass: torch.Tensor) -> tor
     return torch.tensor(accept + weights[k:], dtype=torch.float64)
 
 
-def block_residual_mass(weights: list[float], draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
-    """(k,) row i: sum_x max(0, p_i * p_{i+1}(x) - q_{i+1}(x)), the weighted residual's mass after x_1..x_i."""
-    k = draft_probs.size(0)
-    weight = torch.tensor(weights[:k], dtype=target_probs.dtype, device=target_probs.device).unsqueeze(-1)
-    return (weight * target_probs[:k] - draft_probs).clamp_min_(0).sum(-1)
-
-
 def block_verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                  uniforms: torch.Tensor) -> tuple[int, torch.Tensor]:
     """Block verification (Sun et al. 2025, Alg. 2): (tau, next_probs).
 
-    tau is the largest i in 1..k with eta_i < h_i (0 if none), eta_i = uniforms[i - 1]: the scan runs from the
-    whole block backwards and keeps the first prefix that passes. next_probs is the block residual
-    norm(max(0, p_tau * p_{tau+1} - q_{tau+1})) when tau < k, and p_{k+1} when the whole block is accepted.
-    With tau = 0 the residual is the token rule's, since p_0 = 1.
+    tau is the largest i in 1..k with eta_i < h_i, or 0 if there is none (eta_i = uniforms[i - 1]): the scan
+    starts from the whole block and keeps the first prefix that passes. next_probs is the block residual
+    norm(max(0, w_tau * p_{tau+1} - q_{tau+1})) when tau < k, and p_{k+1} when the whole block is kept. With
+    tau = 0 it is the token rule's residual, as w_0 = 1.
     """
     k = draft_tokens.numel()
     if not k:
@@ -150,8 +151,8 @@ def block_expected_accepted(draft_tokens: torch.Tensor, draft_probs: torch.Tenso
         return 0.0
     weights = block_weights(draft_tokens, draft_probs, target_probs)
     accept = block_accept_probs(weights, block_residual_mass(weights, draft_probs, target_probs))
-    below = (1 - accept).flip(-1).cumprod(-1).flip(-1)  # row i - 1: prod_{j >= i} (1 - h_j), the scan passes i
-    return float((1 - below).sum())
+    passes = (1 - accept).flip(-1).cumprod(-1).flip(-1)  # entry i - 1: prod_{j >= i} (1 - h_j), the scan passes i
+    return float((1 - passes).sum())
 
 
 # the rules by name, each called as rule(draft_tokens, draft_probs, target_probs, uniforms) -> (tau, next_probs)

@@ -19,8 +19,7 @@ from scipy.stats import chisquare
 from specdec import verification
 from specdec.sampling import sample
 from specdec.verification import (EXPECTED_ACCEPTED, VERIFIERS, block_accept_probs, block_expected_accepted,
-                                  block_residual_mass, block_verify, block_weights, token_expected_accepted,
-                                  token_verify)
+                                  block_residual_mass, block_verify, block_weights, token_expected_accepted)
 
 F64 = torch.float64
 
@@ -95,7 +94,8 @@ def target_distribution(pair: ToyPair) -> dict[tuple, float]:
     return table
 
 
-def round_outcomes(rule: str, x: torch.Tensor, q: torch.Tensor, p: torch.Tensor) -> list[tuple[int, float, torch.Tensor]]:
+def round_outcomes(rule: str, x: torch.Tensor, q: torch.Tensor,
+                   p: torch.Tensor) -> list[tuple[int, float, torch.Tensor]]:
     """[(tau, P(tau | draft block), next_probs)] of one round, from the rule's own acceptance probabilities.
 
     Reads the rule's pieces through the module, so a patched (deliberately wrong) piece changes this too.
@@ -132,9 +132,9 @@ def decoded_distribution(pair: ToyPair, rule: str) -> dict[tuple, float]:
             drawn = float(q.gather(-1, x.unsqueeze(-1)).prod())  # P(draft block) = prod q_i(x_i)
             if drawn == 0:
                 continue
-            for tau, p_tau, next_probs in round_outcomes(rule, x, q, p):
+            for tau, chance, next_probs in round_outcomes(rule, x, q, p):
                 for y, p_y in enumerate(next_probs.tolist()):
-                    committed, mass = block[:tau] + (y,), drawn * p_tau * p_y
+                    committed, mass = block[:tau] + (y,), drawn * chance * p_y
                     if mass == 0:
                         continue
                     rests = {(): 1.0} if len(committed) >= m else continuation(prefix + committed, m - len(committed))
@@ -156,14 +156,14 @@ def expected_first_round(pair: ToyPair, rule: str, prefix: tuple = ()) -> float:
 
 
 def plain_residual(monkeypatch):
-    """Wrong: after tau accepted tokens, resample from norm(max(0, p - q)), not norm(max(0, p_tau * p - q))."""
+    """Wrong: after tau accepted tokens, resample from norm(max(0, p - q)), not norm(max(0, w_tau * p - q))."""
     original = verification.residual_probs
     monkeypatch.setattr(verification, "residual_probs", lambda target_probs, draft_probs, weight=1.0:
                         original(target_probs, draft_probs))
 
 
 def weight_as_acceptance(monkeypatch):
-    """Wrong: stop the backward scan at prefix i with probability p_i itself, not h_i."""
+    """Wrong: stop the backward scan at prefix i with probability w_i itself, not h_i."""
     monkeypatch.setattr(verification, "block_accept_probs",
                         lambda weights, residual_mass: torch.tensor(weights[1:], dtype=F64))
 
@@ -174,14 +174,14 @@ WRONG_VARIANTS = {"plain_residual": plain_residual, "weight_as_acceptance": weig
 # --- the definitions and the paper's example ------------------------------------------------------------------
 
 def test_weights_are_the_running_clipped_likelihood_ratio():
-    # ratios p/q of the three tokens: 0.5, 3, 0.8 -> p_1 = 0.5, p_2 = min(1, 1.5) = 1, p_3 = 0.8
+    # ratios p/q of the three tokens: 0.5, 3, 0.8 -> w_1 = 0.5, w_2 = min(1, 1.5) = 1, w_3 = 0.8
     q = torch.tensor([[0.8, 0.2], [0.1, 0.9], [0.5, 0.5]], dtype=F64)
     p = torch.tensor([[0.4, 0.6], [0.3, 0.7], [0.4, 0.6], [0.5, 0.5]], dtype=F64)
     assert block_weights(torch.tensor([0, 0, 0]), q, p) == pytest.approx([1.0, 0.5, 1.0, 0.8])
 
 
 def test_accept_probabilities_follow_the_paper():
-    # h_i = mass_i / (mass_i + 1 - p_i) for i < k and h_k = p_k, mass_i = sum max(0, p_i * p_{i+1} - q_{i+1})
+    # h_i = m_i / (m_i + 1 - w_i) for i < k and h_k = w_k, with m_i = sum max(0, w_i * p_{i+1} - q_{i+1})
     q = torch.tensor([[0.8, 0.2], [0.6, 0.4]], dtype=F64)
     p = torch.tensor([[0.4, 0.6], [0.2, 0.8], [0.5, 0.5]], dtype=F64)
     x = torch.tensor([0, 1])
@@ -190,7 +190,7 @@ def test_accept_probabilities_follow_the_paper():
     assert weights == pytest.approx([1.0, 0.5, 1.0])
     torch.testing.assert_close(mass, torch.tensor([0.4, 0.0], dtype=F64))
     torch.testing.assert_close(block_accept_probs(weights, mass), torch.tensor([0.0, 1.0], dtype=F64))
-    # a positive mass: p_1 = 0.5 with p_2 = (0.9, 0.1), q_2 = (0.2, 0.8): mass 0.25, h_1 = 0.25 / 0.75
+    # a positive mass: w_1 = 0.5 with p_2 = (0.9, 0.1), q_2 = (0.2, 0.8): m_1 = 0.25, h_1 = 0.25 / 0.75
     p2 = torch.tensor([[0.4, 0.6], [0.9, 0.1], [0.5, 0.5]], dtype=F64)
     q2 = torch.tensor([[0.8, 0.2], [0.2, 0.8]], dtype=F64)
     weights2 = block_weights(x, q2, p2)  # 1, 0.5, 0.5 * 0.1 / 0.8
@@ -216,9 +216,9 @@ def test_paper_example_accepts_11_ninths_against_10_ninths():
 def test_block_verify_returns_largest_passing_prefix_and_its_residual():
     q = torch.tensor([[0.8, 0.1, 0.1], [0.2, 0.2, 0.6]], dtype=F64)
     p = torch.tensor([[0.4, 0.3, 0.3], [0.6, 0.3, 0.1], [0.5, 0.25, 0.25]], dtype=F64)
-    x = torch.tensor([0, 2])  # p_1 = 0.5, p_2 = 1/12; mass_1 = 0.1, so h_1 = 0.1 / 0.6 and h_2 = 1/12
+    x = torch.tensor([0, 2])  # w_1 = 0.5, w_2 = 1/12; m_1 = 0.1, so h_1 = 0.1 / 0.6 and h_2 = 1/12
     tau, next_probs = block_verify(x, q, p, torch.tensor([0.5, 0.5], dtype=F64))
-    assert tau == 0  # the token rule's residual: p_0 = 1
+    assert tau == 0  # the token rule's residual: w_0 = 1
     torch.testing.assert_close(next_probs, torch.tensor([0.0, 0.5, 0.5], dtype=F64))
     tau, next_probs = block_verify(x, q, p, torch.tensor([0.1, 0.5], dtype=F64))
     assert tau == 1  # norm(max(0, 0.5 * (0.6, 0.3, 0.1) - (0.2, 0.2, 0.6))); the plain residual is (0.8, 0.2, 0)
@@ -228,22 +228,8 @@ def test_block_verify_returns_largest_passing_prefix_and_its_residual():
     torch.testing.assert_close(next_probs, p[2])
 
 
-def test_token_verify_is_the_token_rule():
-    q = torch.tensor([[0.5, 0.5], [0.3, 0.7]], dtype=F64)
-    p = torch.tensor([[0.2, 0.8], [0.6, 0.4], [0.1, 0.9]], dtype=F64)
-    x = torch.tensor([0, 0])  # accepted with probability 0.4, then always
-    tau, next_probs = token_verify(x, q, p, torch.tensor([0.5, 0.0], dtype=F64))
-    assert tau == 0
-    torch.testing.assert_close(next_probs, torch.tensor([0.0, 1.0], dtype=F64))
-    tau, next_probs = token_verify(x, q, p, torch.tensor([0.3, 0.99], dtype=F64))
-    assert tau == 2
-    torch.testing.assert_close(next_probs, p[2])
-    assert token_expected_accepted(x, q, p) == pytest.approx(0.4 + 0.4)
-    assert set(VERIFIERS) == set(EXPECTED_ACCEPTED) == {"token", "block"}
-
-
 def test_deterministic_proposal_keeps_each_prefix_with_its_target_probability():
-    # q one-hot: p_i = prod p_j(x_j), and the weighted residual is the plain one (the block's gain is 0)
+    # q one-hot: w_i = prod p_j(x_j), and the weighted residual is the plain one (the block's gain is 0)
     q = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], dtype=F64)
     p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6]], dtype=F64)
     x = torch.tensor([0, 1])
@@ -276,9 +262,9 @@ def test_decoding_loop_follows_target_exactly(name, rule):
 
 
 def variant_is_harmless(variant: str, setting: Setting) -> bool:
-    """Where a wrong variant happens to be right: with k = 1 block verification is the token rule (h_1 = p_1,
-    and the residual's weight is p_0 = 1); with a one-hot q the plain residual equals the weighted one
-    (max(0, p_tau * p - e_x) is p_tau * p off x and 0 at x, as max(0, p - e_x) is p off x)."""
+    """Where a wrong variant happens to be right: with k = 1 block verification is the token rule (h_1 = w_1,
+    and the residual's weight is w_0 = 1); with a one-hot q the plain residual equals the weighted one
+    (max(0, w_tau * p - e_x) is w_tau * p off x and 0 at x, as max(0, p - e_x) is p off x)."""
     return setting.k == 1 or (variant == "plain_residual" and setting.draft == "one_hot")
 
 
@@ -296,7 +282,7 @@ def test_wrong_variants_miss_the_target(variant, monkeypatch):
 
 
 def test_prefix_weight_is_the_probability_of_keeping_it():
-    # averaged over the draft tokens after x_1..x_i, P(tau >= i | x_1..x_i) = p_i (the paper's key identity)
+    # averaged over the draft tokens after x_1..x_i, P(tau >= i | x_1..x_i) = w_i (the paper's key identity)
     pair = ToyPair(SETTINGS["v4-k3"])
     k, vocab = pair.setting.k, pair.setting.vocab
     for i in range(1, k + 1):
@@ -314,7 +300,7 @@ def test_prefix_weight_is_the_probability_of_keeping_it():
 @pytest.mark.parametrize("name", SETTINGS)
 def test_block_accepts_at_least_as_many_tokens_in_expectation(name):
     """Exact E[tau] of a round, after every prefix shorter than n: never below the token rule's, and above it
-    somewhere, except where the rules accept alike: k = 1 (h_1 = p_1 = min(1, p/q)) and a one-hot proposal
+    somewhere, except where the rules accept alike: k = 1 (h_1 = w_1 = min(1, p/q)) and a one-hot proposal
     (each prefix kept with probability prod p(x) under both)."""
     pair = ToyPair(SETTINGS[name])
     gains = []
@@ -331,7 +317,7 @@ def test_block_accepts_at_least_as_many_tokens_in_expectation(name):
 
 def test_block_can_accept_fewer_for_one_drawn_block():
     # only the expectation is ordered: in the paper's example the drawn block (a, a) keeps 3/4 of a token on
-    # average under the token rule (1/2 + 1/4) and 1/2 under block verification (p_1 = 1/2 but h_1 = 0)
+    # average under the token rule (1/2 + 1/4) and 1/2 under block verification (w_1 = 1/2 but h_1 = 0)
     p = torch.tensor([1 / 3, 2 / 3], dtype=F64).repeat(3, 1)
     q = torch.tensor([2 / 3, 1 / 3], dtype=F64).repeat(2, 1)
     x = torch.tensor([0, 0])

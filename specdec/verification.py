@@ -105,21 +105,24 @@ def block_residual_mass(weights: list[float], draft_probs: torch.Tensor, target_
     return (weight * target_probs[:k] - draft_probs).clamp_min_(0).sum(-1)
 
 
-def block_accept_probs(weights: list[float], residual_mass: torch.Tensor) -> torch.Tensor:
-    """(k,) float64 h_1..h_k: the probability that the backward scan, having reached prefix i, stops there.
+def block_accept_prob(weight: float, mass: float) -> float:
+    """h_i = m_i / (m_i + 1 - w_i) (Sun et al. Alg. 2, for i < k): the chance that the backward scan, having
+    reached prefix i, stops there, from its weight w_i and its residual mass m_i.
 
-    From the weights w_0..w_k and residual_mass m_0..m_{k-1} (m_0 is unused), Sun et al. Alg. 2:
-        h_i = m_i / (m_i + 1 - w_i) for i < k,   h_k = w_k.
     Where both m_i and 1 - w_i are 0 the scan never reaches i (w_i = 1 and p_{i+1} = q_{i+1} make every later
-    weight 1, so the scan stops above i); h_i is set to 1 there.
+    weight 1, so the scan stops above i); h_i is 1 there.
     """
+    denominator = mass + (1 - weight)
+    return mass / denominator if denominator > 0 else 1.0
+
+
+def block_accept_probs(weights: list[float], residual_mass: torch.Tensor) -> torch.Tensor:
+    """(k,) float64 h_1..h_k from the weights w_0..w_k and residual_mass m_0..m_{k-1} (m_0 is unused):
+    h_i = block_accept_prob(w_i, m_i) for i < k, and h_k = w_k."""
     k = len(weights) - 1
     mass = residual_mass.detach().to("cpu", torch.float64).tolist()
-    accept = []
-    for i in range(1, k):
-        denominator = mass[i] + (1 - weights[i])
-        accept.append(mass[i] / denominator if denominator > 0 else 1.0)
-    return torch.tensor(accept + weights[k:], dtype=torch.float64)
+    return torch.tensor([block_accept_prob(weights[i], mass[i]) for i in range(1, k)] + weights[k:],
+                        dtype=torch.float64)
 
 
 def block_verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
@@ -127,17 +130,27 @@ def block_verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_p
     """Block verification (Sun et al. 2025, Alg. 2): (tau, next_probs).
 
     tau is the largest i in 1..k with eta_i < h_i, or 0 if there is none (eta_i = uniforms[i - 1]): the scan
-    starts from the whole block and keeps the first prefix that passes. next_probs is the block residual
+    starts from the whole block and keeps the first prefix that passes, so h_i is computed only for the
+    prefixes it reaches (one (V,) row each). next_probs is the block residual
     norm(max(0, w_tau * p_{tau+1} - q_{tau+1})) when tau < k, and p_{k+1} when the whole block is kept. With
     tau = 0 it is the token rule's residual, as w_0 = 1.
     """
     k = draft_tokens.numel()
-    if not k:
-        return 0, target_probs[0]
     weights = block_weights(draft_tokens, draft_probs, target_probs)
-    accept = block_accept_probs(weights, block_residual_mass(weights, draft_probs, target_probs))
-    passed = (uniforms.to("cpu", torch.float64) < accept).nonzero()
-    tau = int(passed[-1]) + 1 if len(passed) else 0
+    etas = uniforms.to("cpu", torch.float64).tolist()
+    tau = 0
+    for i in range(k, 0, -1):
+        if i == k:
+            accept = weights[k]
+        elif weights[i] == 0:
+            accept = 0.0  # a prefix the target cannot produce: m_i = 0, so h_i = 0 without a pass over V
+        else:
+            # m_i = sum max(0, w_i p - q), computed as -sum min(0, q - w_i p): one fused pass, no temporary
+            mass = -float(torch.sub(draft_probs[i], target_probs[i], alpha=weights[i]).clamp_max_(0).sum())
+            accept = block_accept_prob(weights[i], mass)
+        if etas[i - 1] < accept:
+            tau = i
+            break
     if tau == k:
         return k, target_probs[k]
     return tau, residual_probs(target_probs[tau], draft_probs[tau], weights[tau])

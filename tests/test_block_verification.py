@@ -164,8 +164,7 @@ def plain_residual(monkeypatch):
 
 def weight_as_acceptance(monkeypatch):
     """Wrong: stop the backward scan at prefix i with probability w_i itself, not h_i."""
-    monkeypatch.setattr(verification, "block_accept_probs",
-                        lambda weights, residual_mass: torch.tensor(weights[1:], dtype=F64))
+    monkeypatch.setattr(verification, "block_accept_prob", lambda weight, mass: weight)
 
 
 WRONG_VARIANTS = {"plain_residual": plain_residual, "weight_as_acceptance": weight_as_acceptance}
@@ -239,6 +238,39 @@ def test_deterministic_proposal_keeps_each_prefix_with_its_target_probability():
         tau, next_probs = block_verify(x, q, p, torch.tensor(uniforms, dtype=F64))
         if tau < 2:
             torch.testing.assert_close(next_probs, verification.residual_probs(p[tau], q[tau]))
+
+
+def test_greedy_keeps_the_matching_prefix_whatever_the_uniforms():
+    # temperature 0: p and q one-hot; both rules keep exactly the run of draft tokens equal to the target's
+    # argmax and then give the target's argmax, as target-only greedy decoding would
+    vocab = 5
+    target_argmax = [3, 1, 4, 0]
+    for draft_argmax in ([3, 1, 4], [3, 1, 2], [3, 0, 4], [2, 1, 4]):
+        p = torch.eye(vocab, dtype=F64)[target_argmax]
+        q = torch.eye(vocab, dtype=F64)[draft_argmax]
+        x = torch.tensor(draft_argmax)
+        matching = next((i for i, (a, b) in enumerate(zip(draft_argmax, target_argmax)) if a != b), 3)
+        for uniforms in ([0.0, 0.0, 0.0], [0.999, 0.5, 0.999], [0.3, 0.999, 0.0]):
+            for verify in VERIFIERS.values():
+                tau, next_probs = verify(x, q, p, torch.tensor(uniforms, dtype=F64))
+                assert tau == matching
+                assert int(next_probs.argmax()) == target_argmax[tau] and float(next_probs.max()) == 1.0
+
+
+def test_float32_rows_of_a_large_vocabulary_agree_with_float64():
+    generator = torch.Generator().manual_seed(3)
+    vocab, k = 50_000, 6
+    logits = torch.randn(k + 1, vocab, generator=generator, dtype=F64) * 3
+    p = logits.softmax(-1)
+    q = (logits[:k] + torch.randn(k, vocab, generator=generator, dtype=F64)).softmax(-1)
+    for trial in range(20):
+        x = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+        uniforms = torch.rand(k, generator=generator, dtype=F64)
+        tau64, next64 = block_verify(x, q, p, uniforms)
+        tau32, next32 = block_verify(x, q.float(), p.float(), uniforms)
+        assert tau32 == tau64
+        assert next32.dtype == torch.float32
+        torch.testing.assert_close(next32.double(), next64, atol=1e-6, rtol=1e-4)
 
 
 def test_empty_block_samples_from_the_target():

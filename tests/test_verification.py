@@ -1,8 +1,15 @@
-"""verification.py: the rejection rule and the residual, checked against their definitions."""
+"""verification.py: the token rule and the residual, checked against their definitions.
 
+Block verification has its own file, test_block_verification.py, with the exactness checks of both rules.
+"""
+
+import pytest
 import torch
 
-from specdec.verification import accept_mask, num_accepted, residual_probs
+from specdec.verification import (EXPECTED_ACCEPTED, VERIFIERS, accept_mask, num_accepted, residual_probs,
+                                  token_expected_accepted, token_verify)
+
+F64 = torch.float64
 
 
 def test_accept_probability_is_min_one_p_over_q():
@@ -47,3 +54,27 @@ def test_rule_preserves_target_distribution_exactly():
     accept = torch.minimum(torch.ones(3), p / q)
     reject_mass = (q * (1 - accept)).sum()
     torch.testing.assert_close(q * accept + reject_mass * residual_probs(p, q), p)
+
+
+def test_weighted_residual_scales_the_target_first():
+    # norm(max(0, 0.5 * (0.6, 0.3, 0.1) - (0.2, 0.2, 0.6))) = (1, 0, 0), where the plain one is (0.8, 0.2, 0)
+    p = torch.tensor([0.6, 0.3, 0.1])
+    q = torch.tensor([0.2, 0.2, 0.6])
+    torch.testing.assert_close(residual_probs(p, q, 0.5), torch.tensor([1.0, 0.0, 0.0]))
+    torch.testing.assert_close(residual_probs(p, q), torch.tensor([0.8, 0.2, 0.0]))
+    # no positive mass: fall back to p
+    torch.testing.assert_close(residual_probs(p, q, 0.1), p)
+
+
+def test_token_verify_is_the_token_rule():
+    q = torch.tensor([[0.5, 0.5], [0.3, 0.7]], dtype=F64)
+    p = torch.tensor([[0.2, 0.8], [0.6, 0.4], [0.1, 0.9]], dtype=F64)
+    x = torch.tensor([0, 0])  # accepted with probability 0.4, then always
+    tau, next_probs = token_verify(x, q, p, torch.tensor([0.5, 0.0], dtype=F64))
+    assert tau == 0
+    torch.testing.assert_close(next_probs, torch.tensor([0.0, 1.0], dtype=F64))
+    tau, next_probs = token_verify(x, q, p, torch.tensor([0.3, 0.99], dtype=F64))
+    assert tau == 2
+    torch.testing.assert_close(next_probs, p[2])
+    assert token_expected_accepted(x, q, p) == pytest.approx(0.4 + 0.4)
+    assert set(VERIFIERS) == set(EXPECTED_ACCEPTED) == {"token", "block"}

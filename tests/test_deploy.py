@@ -6,6 +6,7 @@ import os
 import re
 import runpy
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,7 @@ def graceful_timeout(env: dict[str, str], monkeypatch) -> int:
         monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the file puts the repository root first
     return runpy.run_path(str(ROOT / "config" / "gunicorn.conf.py"))["graceful_timeout"]
 
 

@@ -64,23 +64,25 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="specdec-deploy-check-") as name:
         workdir = Path(name)
         rendered = render(workdir)
-        out = workdir / "rendered"
+        out = workdir / "rendered"  # every rendered resource, for checkov
+        core_out = workdir / "core"  # the built-in kinds only, for kubernetes-validate
         out.mkdir()
+        core_out.mkdir()
+        versions = [arg for version in KUBERNETES_VERSIONS for arg in ("-k", version)]
         for variant, docs in rendered.items():
-            core = [doc for doc in docs if (doc["apiVersion"], doc["kind"]) not in CUSTOM_RESOURCES]
+            (out / f"{variant}.yaml").write_text(yaml.safe_dump_all(docs, sort_keys=False))
+            core = []
             for doc in docs:
-                if doc not in core:
+                if (doc["apiVersion"], doc["kind"]) in CUSTOM_RESOURCES:
                     print(f"-- kubernetes-validate skips {doc['kind']} {doc['metadata']['name']} "
                           f"({doc['apiVersion']}): a custom resource, no schema in kubernetes-validate")
-            path = out / f"{variant}.yaml"
-            path.write_text(yaml.safe_dump_all(core, sort_keys=False))
-            versions = [arg for version in KUBERNETES_VERSIONS for arg in ("-k", version)]
-            result = run(BIN / "kubernetes-validate", "--strict", "--quiet", *versions, path)
+                else:
+                    core.append(doc)
+            (core_out / f"{variant}.yaml").write_text(yaml.safe_dump_all(core, sort_keys=False))
+            result = run(BIN / "kubernetes-validate", "--strict", "--quiet", *versions, core_out / f"{variant}.yaml")
             # an unknown kind is only a warning there; here it fails, so nothing passes unchecked
             ok &= step(f"kubernetes-validate --strict ({variant}: {len(core)} resources, Kubernetes "
                        f"{' and '.join(KUBERNETES_VERSIONS)})", result, failed="WARN" in result.stdout)
-            (out / f"{variant}-all.yaml").write_text(yaml.safe_dump_all(docs, sort_keys=False))
-            path.unlink()
         checkov = (BIN / "checkov", "--quiet", "--compact", "--skip-download")
         ok &= step("checkov (Dockerfile)", run(*checkov, "--framework", "dockerfile", "-f", "Dockerfile"))
         ok &= step("checkov (rendered manifests)", run(*checkov, "--framework", "kubernetes", "-d", out))

@@ -4,9 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 MODELS_INSTALLED := $(VENV)/.models-installed
+# The deployment checks' tools: checkov's dependencies clash with the runtime's, so they get their own venv.
+LINT_VENV := .venv-lint
+LINT_INSTALLED := $(LINT_VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv models serve test unit integration bench bench-quick stress lint-docker clean
+.PHONY: venv models serve test unit integration bench bench-quick stress lint-docker lint-deploy clean
 
 $(INSTALLED): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,7 +31,7 @@ serve: models
 	$(BIN)/python serving.py
 
 # Unit tests (tiny random models) and integration tests (the real default pair), two workers.
-test: models lint-docker
+test: models lint-docker lint-deploy
 	$(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS) tests
 
 unit: venv
@@ -37,6 +40,15 @@ unit: venv
 lint-docker: venv
 	$(BIN)/hadolint Dockerfile
 
+$(LINT_INSTALLED): requirements-lint.txt
+	test -x $(LINT_VENV)/bin/python || $(PYTHON) -m venv $(LINT_VENV)
+	$(LINT_VENV)/bin/pip install --quiet -r requirements-lint.txt
+	touch $@
+
+# yamllint, kubernetes-validate and checkov on the Dockerfile, deploy/compose*.yaml and deploy/kubernetes/
+lint-deploy: $(LINT_INSTALLED)
+	$(LINT_VENV)/bin/python deploy/check.py
+
 bench: models
 	$(BIN)/python -m bench.benchmark --out bench/results
 
@@ -44,4 +56,4 @@ stress: venv
 	$(BIN)/python -m bench.stress
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(LINT_VENV) .pytest_cache

@@ -1,0 +1,156 @@
+"""deploy/: the SPECDEC_* variables that the Compose file and the Kubernetes manifests set are real settings, and the
+grace periods, probes and ports follow those settings. The manifests' own schemas and security checks are in
+`make lint-deploy` (deploy/check.py); this file needs only the project's venv."""
+
+import os
+import re
+import runpy
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from specdec import default_pair
+from specdec.config import CONFIG_ENV, ENV_PREFIX, Settings, load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+KUBERNETES = DEPLOY / "kubernetes"
+# SPECDEC_ variables that are not settings, and what reads them
+NOT_SETTINGS = {CONFIG_ENV: "config.load_settings (a settings file)", "SPECDEC_CACHE": "default_pair.cache_root"}
+COMPOSE_DURATION = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s|m|h)")
+SECONDS = {"us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+
+
+def image_env() -> dict[str, str]:
+    """The ENV instructions of the Dockerfile: what every container starts with."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    env = {}
+    for line in text.splitlines():
+        if line.startswith("ENV "):
+            env.update(item.split("=", 1) for item in shlex.split(line[4:]))
+    return env
+
+
+def compose_service(*files: str) -> dict:
+    """The specdec service as Compose merges it from `files` (environment maps merge, the rest overrides)."""
+    service: dict = {}
+    for name in files:
+        layer = yaml.safe_load((DEPLOY / name).read_text())["services"]["specdec"]
+        environment = {**service.get("environment", {}), **layer.get("environment", {})}
+        service = {**service, **layer, "environment": environment}
+    return service
+
+
+def kubernetes_docs(folder: Path) -> list[dict]:
+    return [doc for path in sorted(folder.glob("*.yaml")) for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def deployment(folder: Path = KUBERNETES) -> dict:
+    (found,) = [doc for doc in kubernetes_docs(folder) if doc["kind"] == "Deployment"]
+    return found
+
+
+def containers(pod: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in pod.get("initContainers", []) + pod.get("containers", [])}
+
+
+def container_env(container: dict) -> dict[str, str]:
+    return {item["name"]: item["value"] for item in container.get("env", [])}
+
+
+def workloads() -> dict[str, dict[str, str]]:
+    """Each container's environment as it starts: the image's, then what the deployment sets."""
+    base = image_env()
+    found = {
+        "compose": {**base, **compose_service("compose.yaml")["environment"]},
+        "compose + api keys": {**base, **compose_service("compose.yaml", "compose.api-keys.yaml")["environment"]},
+    }
+    pod = deployment()["spec"]["template"]["spec"]
+    for name, container in containers(pod).items():
+        found[f"kubernetes {name}"] = {**base, **container_env(container)}
+    for component in sorted((KUBERNETES / "components").iterdir()):
+        patch = deployment(component)["spec"]["template"]["spec"]
+        for name, container in containers(patch).items():
+            found[f"kubernetes {name} + {component.name}"] = {**found[f"kubernetes {name}"],
+                                                              **container_env(container)}
+    return found
+
+
+def unknown_variables(env: dict[str, str]) -> list[str]:
+    """SPECDEC_ names that neither a setting nor anything in NOT_SETTINGS reads (load_settings ignores them)."""
+    return sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in NOT_SETTINGS
+                  and name.removeprefix(ENV_PREFIX).lower() not in Settings.model_fields)
+
+
+def settings_of(env: dict[str, str]) -> Settings:
+    return load_settings(environ={name: str(value) for name, value in env.items()})
+
+
+def graceful_timeout(env: dict[str, str], monkeypatch) -> int:
+    """gunicorn's graceful timeout as config/gunicorn.conf.py computes it under `env`."""
+    for name in [name for name in os.environ if name.startswith(ENV_PREFIX)]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the file puts the repository root first
+    return runpy.run_path(str(ROOT / "config" / "gunicorn.conf.py"))["graceful_timeout"]
+
+
+def compose_seconds(duration: str) -> float:
+    parts = COMPOSE_DURATION.findall(duration)
+    assert parts and "".join(a + b for a, b in parts) == duration, f"not a Compose duration: {duration!r}"
+    return sum(float(amount) * SECONDS[unit] for amount, unit in parts)
+
+
+@pytest.mark.parametrize("name", sorted(workloads()))
+def test_environment_is_settings(name, monkeypatch):
+    env = workloads()[name]
+    assert not unknown_variables(env), f"{name} sets variables that no setting reads: {unknown_variables(env)}"
+    settings_of(env)  # raises ConfigError naming the variable if a value is invalid
+    monkeypatch.setenv("SPECDEC_CACHE", env["SPECDEC_CACHE"])
+    assert default_pair.cache_root() == Path(env["SPECDEC_CACHE"])
+
+
+def test_an_unknown_variable_is_caught():
+    env = {**image_env(), "SPECDEC_QUEUE_SIZ": "8", "SPECDEC_LOG_LEVEL": "info"}
+    assert unknown_variables(env) == ["SPECDEC_QUEUE_SIZ"]
+
+
+def test_compose_follows_the_settings(monkeypatch):
+    service = compose_service("compose.yaml")
+    settings = settings_of({**image_env(), **service["environment"]})
+    assert compose_seconds(service["stop_grace_period"]) >= graceful_timeout(service["environment"], monkeypatch)
+    assert service["ports"][0].rsplit(":", 1)[1] == str(settings.port)
+    assert f"127.0.0.1:{settings.port}/readyz" in " ".join(service["healthcheck"]["test"])
+    assert service["restart"] in ("always", "unless-stopped", "on-failure")
+    (gpu,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert gpu["driver"] == "nvidia" and "gpu" in gpu["capabilities"]
+    assert any(volume.endswith(":/cache") for volume in service["volumes"])
+    # checkov has no Compose checks: the hardening it would ask of a Kubernetes pod, asked here
+    assert service["read_only"] is True and service["cap_drop"] == ["ALL"]
+    assert "no-new-privileges:true" in service["security_opt"]
+
+
+def test_kubernetes_follows_the_settings(monkeypatch):
+    pod = deployment()["spec"]["template"]["spec"]
+    container = containers(pod)["specdec"]
+    env = {**image_env(), **container_env(container)}
+    settings = settings_of(env)
+    pause = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pause[0] == "sleep"
+    assert pod["terminationGracePeriodSeconds"] >= int(pause[1]) + graceful_timeout(container_env(container),
+                                                                                     monkeypatch)
+    (port,) = container["ports"]
+    assert port["containerPort"] == settings.port
+    probes = {kind: container[kind]["httpGet"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert {kind: probe["path"] for kind, probe in probes.items()} == {
+        "startupProbe": "/readyz", "readinessProbe": "/readyz", "livenessProbe": "/healthz"}
+    assert all(probe["port"] in (port["name"], port["containerPort"]) for probe in probes.values())
+    # the model cache: the claim at SPECDEC_CACHE's parent, in both the init container and the server
+    (cache,) = [volume["name"] for volume in pod["volumes"] if "persistentVolumeClaim" in volume]
+    for each in containers(pod).values():
+        assert {"name": cache, "mountPath": str(Path(env["SPECDEC_CACHE"]).parent)} in each["volumeMounts"]
+    assert "specdec.default_pair prepare" in " ".join(containers(pod)["prepare-models"]["args"])

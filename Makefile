@@ -9,7 +9,7 @@ LINT_VENV := .venv-lint
 LINT_INSTALLED := $(LINT_VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv models serve test unit integration bench bench-quick stress lint-docker lint-deploy clean
+.PHONY: venv models serve test unit integration bench bench-quick stress lint lint-docker lint-deploy clean
 
 $(INSTALLED): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,11 +31,15 @@ serve: models
 	$(BIN)/python serving.py
 
 # Unit tests (tiny random models) and integration tests (the real default pair), two workers.
-test: models lint-docker lint-deploy
+test: models lint lint-docker lint-deploy
 	$(BIN)/python -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS) tests
 
 unit: venv
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -m "not integration" $(PYTEST_ARGS) tests
+
+# ruff (style, imports, unused names) over everything Python that git tracks
+lint: venv
+	$(BIN)/ruff check .
 
 lint-docker: venv
 	$(BIN)/hadolint Dockerfile

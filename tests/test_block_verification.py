@@ -18,8 +18,16 @@ from scipy.stats import chisquare
 
 from specdec import verification
 from specdec.sampling import sample
-from specdec.verification import (EXPECTED_ACCEPTED, VERIFIERS, block_accept_probs, block_expected_accepted,
-                                  block_residual_mass, block_verify, block_weights, token_expected_accepted)
+from specdec.verification import (
+    EXPECTED_ACCEPTED,
+    VERIFIERS,
+    block_accept_probs,
+    block_expected_accepted,
+    block_residual_mass,
+    block_verify,
+    block_weights,
+    token_expected_accepted,
+)
 
 F64 = torch.float64
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from specdec import default_pair
-from specdec.config import CONFIG_ENV, ENV_PREFIX, Settings, load_settings
+from specdec.serve.config import CONFIG_ENV, ENV_PREFIX, Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -6,8 +6,15 @@ Block verification has its own file, test_block_verification.py, with the exactn
 import pytest
 import torch
 
-from specdec.verification import (EXPECTED_ACCEPTED, VERIFIERS, accept_mask, num_accepted, residual_probs,
-                                  token_expected_accepted, token_verify)
+from specdec.verification import (
+    EXPECTED_ACCEPTED,
+    VERIFIERS,
+    accept_mask,
+    num_accepted,
+    residual_probs,
+    token_expected_accepted,
+    token_verify,
+)
 
 F64 = torch.float64
 

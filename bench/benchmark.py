@@ -160,7 +160,7 @@ def run_ours(method: str, decoder: SpeculativeDecoder, ids: list[int], max_new_t
     engine_method = "google" if method == "adaptive" else method
     result = decoder.generate(ids, max_new_tokens=max_new_tokens, method=engine_method,
                               gamma=None if method == "adaptive" else gamma, seed=seed, **mode)
-    return result.stats
+    return result.stats.as_dict()
 
 
 def _median(values):

@@ -1,9 +1,12 @@
 """specdec: exact speculative decoding (Leviathan et al. 2023, Chen et al. 2023) for Hugging Face causal LMs."""
 
-from .engine import METHODS, Chunk, GenerationResult, SpeculativeDecoder
+from .engine import Chunk, GenerationResult, SpeculativeDecoder, Stream
 from .errors import SpecDecError
+from .params import METHODS, SamplingParams
+from .stats import GenerationStats
 
-__all__ = ["METHODS", "Chunk", "GenerationResult", "SpecDecError", "SpeculativeDecoder", "load_pair"]
+__all__ = ["METHODS", "Chunk", "GenerationResult", "GenerationStats", "SamplingParams", "SpecDecError",
+           "SpeculativeDecoder", "Stream", "load_pair"]
 
 
 def __getattr__(name):

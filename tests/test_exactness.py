@@ -165,16 +165,6 @@ def test_adaptive_gamma_samples_follow_target_distribution(pair, monkeypatch, va
 
 
 @pytest.mark.statistical
-def test_adaptive_gamma_with_the_plain_residual_fails_the_test(pair, monkeypatch):
-    """The same deliberately wrong rule as below, on the adaptive path: the test has power there too."""
-    draft, target = pair
-    monkeypatch.setattr("specdec.engine.residual_probs", lambda target_probs, draft_probs: target_probs)
-    decoder = SpeculativeDecoder(draft, target)
-    counts = draw(decoder, "google", SETTINGS["t1"], 5_000, gamma=None, seed=7)
-    assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), 5_000) < 1e-6
-
-
-@pytest.mark.statistical
 def test_draft_distribution_differs_so_the_test_is_meaningful(pair):
     draft, target = pair
     assert max(abs(a - b) for a, b in zip(exact_distribution(draft, 1.0, 0, 1.0).values(),
@@ -184,10 +174,12 @@ def test_draft_distribution_differs_so_the_test_is_meaningful(pair):
 
 
 @pytest.mark.statistical
-def test_wrong_rule_fails_the_test(pair, monkeypatch):
-    """Resampling from p instead of norm(max(0, p - q)) after a rejection is a classic bug: it must be caught."""
+@pytest.mark.parametrize("gamma", [2, None])
+def test_wrong_rule_fails_the_test(pair, monkeypatch, gamma):
+    """Resampling from p instead of norm(max(0, p - q)) after a rejection is a classic bug: it must be caught,
+    on the fixed-gamma and on the adaptive path."""
     draft, target = pair
     monkeypatch.setattr("specdec.engine.residual_probs", lambda target_probs, draft_probs: target_probs)
     decoder = SpeculativeDecoder(draft, target)
-    counts = draw(decoder, "google", SETTINGS["t1"], 5_000)
+    counts = draw(decoder, "google", SETTINGS["t1"], 5_000, gamma=gamma)
     assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), 5_000) < 1e-6

@@ -1,8 +1,8 @@
 """`create_app`: the Flask application factory (gunicorn calls it in its worker; tests call it directly).
 
 Settings come from config/default.toml < $SPECDEC_CONFIG < SPECDEC_* variables < `config`. The factory
-registers the routes' Blueprint, the per-request record (request id, one log line, metrics) and the one error
-handler, then starts loading the pair in the background.
+registers the routes' Blueprints (/predict and the rest; the OpenAI-compatible /v1), the per-request record
+(request id, one log line, metrics) and the one error handler, then starts loading the pair in the background.
 """
 
 import re
@@ -13,6 +13,8 @@ from flask import Flask, g, jsonify, request
 
 from .config import load_settings
 from .errors import to_api_error
+from .openai_protocol import is_openai_path, openai_error
+from .openai_routes import openai_routes
 from .routes import routes
 from .service import RequestRecord, Service
 
@@ -57,8 +59,12 @@ def create_app(config: Mapping | None = None) -> Flask:
         api_error = to_api_error(error, record.request_id if record else None)
         if record:
             record.error = api_error.type
+        if is_openai_path(request.path):  # OpenAI's shape, so its clients read the error (and retry a 503)
+            body, status = openai_error(api_error)
+            return jsonify(body), status, api_error.headers
         return jsonify(api_error.body()), api_error.status, api_error.headers
 
     app.register_blueprint(routes)
+    app.register_blueprint(openai_routes)
     service.start_loading()
     return app

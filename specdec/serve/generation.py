@@ -27,6 +27,7 @@ class Generation:
         self.new_tokens = 0
         self.deadline = time.perf_counter() + service.settings.request_timeout  # the engine is ours until then
         self.timed_out = False
+        self.final = False  # the round just decoded was the last: the next step ends without decoding
         self.closed = False
         self._close_lock = threading.Lock()
 
@@ -52,6 +53,7 @@ class Generation:
             self.timed_out = True
             self._end()
             self.completion.finish()
+        self.final = self.done or self._finished_by(chunk)
         return kept
 
     def _end(self) -> None:

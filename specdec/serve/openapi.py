@@ -20,17 +20,25 @@ def _nullable(type_: str) -> dict:
 
 def openapi30(schema):
     """A pydantic (JSON Schema 2020-12) schema in OpenAPI 3.0's dialect: `anyOf [X, null]` becomes X with
-    `nullable: true`, a numeric exclusiveMinimum/Maximum becomes minimum/maximum with a boolean flag, and the
-    `title`s pydantic adds are dropped."""
+    `nullable: true` (a $ref X wrapped in allOf), a numeric exclusiveMinimum/Maximum becomes minimum/maximum with a
+    boolean flag, `const` becomes a one-value enum, and the `title`s pydantic adds are dropped."""
     if isinstance(schema, list):
         return [openapi30(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    schema = {key: openapi30(value) for key, value in schema.items() if key != "title"}
     branches = schema.get("anyOf")
     if branches and {"type": "null"} in branches and len(branches) == 2:
         (other,) = [branch for branch in branches if branch != {"type": "null"}]
+        if "$ref" in other:  # 3.0 ignores the siblings of a $ref
+            other = {"allOf": [other]}
         schema = {**{k: v for k, v in schema.items() if k != "anyOf"}, **other, "nullable": True}
+    elif branches and {"type": "null"} in branches:
+        schema = {**schema, "anyOf": [branch for branch in branches if branch != {"type": "null"}], "nullable": True}
+    schema = {key: openapi30(value) for key, value in schema.items() if key != "title"}
+    if "const" in schema:  # 3.0 has no const
+        schema["enum"] = [schema.pop("const")]
+    if schema.get("type") == "null":  # null only
+        schema = {**{k: v for k, v in schema.items() if k != "type"}, "nullable": True, "enum": [None]}
     for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
         value = schema.get(exclusive)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -100,8 +108,9 @@ def _ok(description: str, content: dict) -> dict:
     return {"description": description, "headers": _REQUEST_ID, "content": content}
 
 
-def openapi_document(settings: Settings) -> dict:
-    """The OpenAPI 3.0.3 document for a server running with `settings`."""
+def openapi_document(settings: Settings, served_model: str | None = None) -> dict:
+    """The OpenAPI 3.0.3 document for a server running with `settings` (and serving `served_model`, once
+    loaded: the one model id the /v1 routes accept)."""
     json_of = lambda ref: {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}  # noqa: E731
     predict_responses = {
         "200": _ok("the completion: JSON, or with `stream` Server-Sent Events (`data: {...}` per round, then a "
@@ -114,6 +123,7 @@ def openapi_document(settings: Settings) -> dict:
         "500": _error("internal_error: an unexpected failure; the message gives the request id"),
         "503": _error("overloaded (queue full or waited too long) or not_ready", retry_after=True),
     }
+    openai_paths, openai_schemas = openai_document(settings, served_model)
     return {
         "openapi": "3.0.3",
         "info": {"title": "specdec", "version": "1",
@@ -139,10 +149,11 @@ def openapi_document(settings: Settings) -> dict:
             "/openapi.json": {"get": {"operationId": "openapi", "summary": "This document",
                                       "responses": {"200": _ok("OpenAPI 3.0.3",
                                                                {"application/json": {"schema": {"type": "object"}}})}}},
+            **openai_paths,
         },
         "components": {"schemas": {"PredictRequest": openapi30(request_schema(settings)),
                                    "GenerationStats": openapi30(stats_schema()),
-                                   **SCHEMAS}},
+                                   **SCHEMAS, **openai_schemas}},
     }
 
 
@@ -153,3 +164,82 @@ def stats_schema() -> dict:
     from ..stats import GenerationStats
 
     return TypeAdapter(GenerationStats).json_schema()
+
+
+# --- the OpenAI-compatible routes (openai_routes.py) -----------------------------------------------------------
+
+OPENAI_SSE_EVENT = {"type": "object", "required": ["data"],
+                    "properties": {"data": {"type": "string", "description": (
+                        "a JSON chunk (Completion or ChatCompletionChunk); with stream_options.include_usage a last "
+                        "chunk with empty choices and the usage; [DONE] at the end; an {\"error\": {...}} chunk "
+                        "if decoding failed after the stream started")}}}
+
+
+def openai_document(settings: Settings, served_model: str | None) -> tuple[dict, dict]:
+    """The /v1 paths and their schemas, generated from the pydantic models of openai_protocol.py (requests as
+    validated, answers as serialised), with this server's limits and model id patched in."""
+    from pydantic.json_schema import models_json_schema
+
+    from .openai_protocol import ANSWER_MODELS, REQUEST_MODELS
+
+    _, generated = models_json_schema([(model, "validation") for model in REQUEST_MODELS]
+                                      + [(model, "serialization") for model in ANSWER_MODELS],
+                                      ref_template="#/components/schemas/{model}")
+    schemas = generated["$defs"]
+    for name, max_fields in (("CompletionRequest", ("max_tokens",)),
+                             ("ChatCompletionRequest", ("max_tokens", "max_completion_tokens"))):
+        props = schemas[name]["properties"]
+        for field in max_fields:
+            _limit(props[field], settings.max_new_tokens_limit, f"default {settings.max_new_tokens}, or less if "
+                                                                f"the context has less room")
+        _limit(props["gamma"], settings.max_gamma)
+        if served_model is not None:
+            props["model"]["enum"] = [served_model]
+    schemas = {name: openapi30(schema) for name, schema in schemas.items()}
+
+    ref = lambda name: {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}  # noqa: E731
+
+    def error(description: str, retry_after: bool = False) -> dict:
+        return {**_error(description, retry_after), "content": ref("OpenAIErrorResponse")}
+
+    errors = {
+        "400": error("invalid_request_error: `param` names the field; `code` is invalid_value, unsupported_value "
+                     "(a feature this server does not implement), unknown_parameter, missing_required_parameter, "
+                     "context_length_exceeded or invalid_json"),
+        "404": error("model_not_found: `model` is not the served model"),
+        "413": error(f"body_too_large: the body is over {settings.max_body_bytes} bytes"),
+        "415": error("unsupported_media_type: the body is not application/json"),
+        "500": error("server_error: an unexpected failure; the message gives the request id"),
+        "503": error("overloaded (queue full or waited too long) or not_ready", retry_after=True),
+    }
+
+    def create(operation: str, summary: str, request: str, answer: str, chunk: str) -> dict:
+        return {"post": {
+            "operationId": operation, "summary": summary,
+            "requestBody": {"required": True, "content": ref(request)},
+            "responses": {"200": _ok(f"the {answer}, or with `stream` Server-Sent Events of {chunk} chunks",
+                                     {**ref(answer), "text/event-stream": {"schema": OPENAI_SSE_EVENT}}),
+                          **errors},
+        }}
+
+    paths = {
+        "/v1/completions": create("createCompletion", "Complete a prompt (OpenAI-compatible)",
+                                  "CompletionRequest", "Completion", "Completion"),
+        "/v1/chat/completions": create("createChatCompletion", "Answer a conversation (OpenAI-compatible)",
+                                       "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk"),
+        "/v1/models": {"get": {"operationId": "listModels", "summary": "The served model (OpenAI-compatible)",
+                               "responses": {"200": _ok("the target model; the draft is in its metadata",
+                                                        ref("ModelList")),
+                                             "503": error("not_ready: still loading, or loading failed",
+                                                          retry_after=True)}}},
+    }
+    return paths, schemas
+
+
+def _limit(prop: dict, maximum: int, default: str | None = None) -> None:
+    """A server-side maximum on a nullable integer property's integer branch, and its default."""
+    for branch in prop.get("anyOf", [prop]):
+        if branch.get("type") == "integer":
+            branch["maximum"] = maximum
+    if default:
+        prop["description"] = f"{prop['description']}; {default}" if prop.get("description") else default

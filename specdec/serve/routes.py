@@ -31,7 +31,7 @@ def metrics():
 
 @routes.get("/openapi.json")
 def openapi():
-    return openapi_document(service().settings)
+    return openapi_document(service().settings, service().models.info.get("models", {}).get("target"))
 
 
 @routes.post("/predict")

@@ -99,9 +99,9 @@ class Service:
                                                    f"{self.settings.max_prompt_tokens}", field_name)
         context = self.decoder.context_length
         if context is not None and len(ids) + max_new_tokens > context:
-            raise ApiError(422, "prompt_too_long",
-                           f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new_tokens}, but "
-                           f"the model context holds {context} tokens", field_name)
+            asked = f" and max_new_tokens is {max_new_tokens}" if max_new_tokens else ""
+            raise ApiError(422, "prompt_too_long", f"the prompt has {len(ids)} tokens{asked}, but the model context "
+                                                   f"holds {context} tokens", field_name)
         return ids
 
     def generation(self, prompt_ids: list[int], sampling: SamplingParams, record: RequestRecord, stop=(),

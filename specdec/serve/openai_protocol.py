@@ -9,6 +9,7 @@ feature gets a 400 naming it. The sampling fields map onto SamplingParams throug
 
 import hashlib
 import json
+import re
 from dataclasses import asdict
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -99,6 +100,18 @@ def _text_content(value):
     return value
 
 
+def _utf8(value: str) -> str:
+    """Text the tokenizer can take: no lone surrogates (JSON can escape them; UTF-8 cannot hold them)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the text holds a lone surrogate (it is not valid Unicode)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_utf8)]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -109,7 +122,7 @@ class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
@@ -118,7 +131,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "user", "assistant"]
-    content: Annotated[str | list[TextPart], BeforeValidator(_text_content)] = Field(
+    content: Annotated[Text | list[TextPart], BeforeValidator(_text_content)] = Field(
         description="a string, or text parts (joined with newlines)")
 
     def text(self) -> str:
@@ -147,7 +160,8 @@ class _Request(BaseModel):
         None, description=f"up to {MAX_STOP_STRINGS} strings; the completion ends before the first one found, "
                           f"which is not returned")
     stream: bool | None = Field(None, description="answer with Server-Sent Events of chunks")
-    stream_options: StreamOptions | None = Field(None, description="only with stream")
+    stream_options: StreamOptions | None = Field(
+        None, description="for a stream; an answer that is not streamed always has its usage")
     user: str | None = Field(None, description="accepted and ignored")
     n: _no_op_only({"type": "integer", "enum": [1]}, (1,),
                    "only 1 is supported (one choice per request)") = None
@@ -168,13 +182,6 @@ class _Request(BaseModel):
         if value is not None and 0 < value < MIN_TEMPERATURE:
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
         return value
-
-    @model_validator(mode="after")
-    def _stream_options_need_stream(self):
-        if self.stream_options is not None and not self.stream:
-            raise PydanticCustomError("invalid_value", "stream_options is only allowed with stream: true",
-                                      {"param": "stream_options"})
-        return self
 
     @property
     def max_tokens_field(self) -> str:
@@ -227,6 +234,10 @@ class CompletionRequest(_Request):
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
+    model_config = ConfigDict(json_schema_extra={"not": {  # not both max_completion_tokens and max_tokens
+        "required": ["max_completion_tokens", "max_tokens"],
+        "properties": {"max_completion_tokens": {"type": "integer"}, "max_tokens": {"type": "integer"}}}})
+
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
     max_completion_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
     max_tokens: int | None = Field(None, ge=1, description="the older name of max_completion_tokens")
@@ -276,7 +287,7 @@ def parse(model: type[_Request], body: dict) -> _Request:
 
 
 def _invalid(error: dict) -> ApiError:
-    loc = error["loc"]
+    loc = [part for part in error["loc"] if isinstance(part, int) or FIELD_NAME.fullmatch(part)]  # no union tags
     param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".") or None
     kind = error["type"]
     if kind == "extra_forbidden":
@@ -289,6 +300,9 @@ def _invalid(error: dict) -> ApiError:
     if not loc:  # a check across fields names its field itself
         return ApiError(400, code, message, error.get("ctx", {}).get("param"))
     return ApiError(400, code, f"{param}: {message}, got {_short(error.get('input'))}", param)
+
+
+FIELD_NAME = re.compile(r"(?!(str|int|float|bool|list|dict)$)[a-z_][a-z0-9_]*")  # not a type tag
 
 
 def _short(value) -> str:

@@ -1,0 +1,417 @@
+"""The OpenAI-compatible /v1 routes through Flask's test client: answer and chunk shapes, streaming order,
+refusals naming their field, OpenAI-shaped errors (and /predict's unchanged), overload, the context limit, the
+shared log line and metrics, an error after a stream started, and /openapi.json. The official client against a
+live gunicorn is in test_openai_gunicorn.py."""
+
+import json
+import logging
+
+import pytest
+
+from specdec.serve.errors import ApiError
+from specdec.serve.openai_protocol import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelList,
+)
+from tests.support.models import make_app
+
+pytestmark = [pytest.mark.usefixtures("clean_env"), pytest.mark.xdist_group("openai")]
+
+PROMPT = "Who is the president of the USA"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+
+
+@pytest.fixture
+def service(app):
+    return app.extensions["specdec"]
+
+
+def complete(client, headers=None, **body):
+    return client.post("/v1/completions", json={"model": "target", "prompt": PROMPT, **body}, headers=headers,
+                       buffered=True)
+
+
+def chat(client, headers=None, **body):
+    return client.post("/v1/chat/completions", json={"model": "target", "messages": MESSAGES, **body},
+                       headers=headers, buffered=True)
+
+
+def chunks(response) -> list[dict]:
+    """The JSON chunks of an OpenAI stream, checking it ends with [DONE]."""
+    assert response.status_code == 200 and response.mimetype == "text/event-stream"
+    blocks = response.get_data(as_text=True).strip("\n").split("\n\n")
+    assert all(block.startswith("data: ") and "\n" not in block for block in blocks)
+    assert blocks[-1] == "data: [DONE]"
+    return [json.loads(block.removeprefix("data: ")) for block in blocks[:-1]]
+
+
+def assert_openai_error(response, status, code, param=None):
+    assert response.status_code == status, response.get_data(as_text=True)
+    assert response.mimetype == "application/json"
+    error = response.get_json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+    assert error["code"] == code and error["param"] == param and error["message"]
+    return error
+
+
+def metric(client, name, labels=""):
+    for line in client.get("/metrics").get_data(as_text=True).splitlines():
+        if line.startswith(name + labels + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+# --- answers ---------------------------------------------------------------------------------------------------
+
+def test_models_lists_the_target_with_the_draft_in_its_metadata(client):
+    body = client.get("/v1/models").get_json()
+    ModelList.model_validate(body)
+    assert body["object"] == "list" and len(body["data"]) == 1
+    model = body["data"][0]
+    assert model["id"] == "target" and model["object"] == "model" and model["max_model_len"] == 256
+    assert model["metadata"]["draft"] == "draft" and model["metadata"]["target"] == "target"
+
+
+def test_completion_answer(client):
+    response = complete(client, max_tokens=20, seed=3, gamma=3)
+    body = response.get_json()
+    Completion.model_validate(body)
+    assert body["object"] == "text_completion" and body["model"] == "target"
+    assert body["id"] == "cmpl-" + response.headers["X-Request-ID"] and body["system_fingerprint"].startswith("fp_")
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["logprobs"] is None and choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == len(PROMPT) and 1 <= usage["completion_tokens"] <= 20
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    stats = choice["speculative_decoding_stats"]
+    assert stats["method"] == "google" and stats["gamma"] == 3 and stats["seed"] == 3
+    assert 0 <= stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+    assert sum(stats["num_accepted_tokens_per_pos"]) == stats["num_accepted_tokens"]
+    assert stats["draft_acceptance_rate"] == pytest.approx(stats["num_accepted_tokens"] / stats["num_draft_tokens"])
+    assert 1 <= stats["mean_acceptance_length"] <= 4
+
+
+def test_chat_answer_goes_through_the_chat_template(client, service):
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]},
+             MESSAGES[1]]
+    body = chat(client, messages=parts, max_completion_tokens=8, temperature=0).get_json()
+    ChatCompletion.model_validate(body)
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    expected = service.encode(messages=[{"role": "system", "content": "Be\nbrief."},
+                                        {"role": "user", "content": PROMPT}])
+    assert body["usage"]["prompt_tokens"] == len(expected)
+    assert body["usage"]["completion_tokens"] <= 8 and choice["speculative_decoding_stats"]["method"] == "google"
+
+
+@pytest.mark.parametrize("method, gamma", [("google", 4), ("deepmind", 2), ("google", None)])
+def test_greedy_equals_target_only_greedy(client, method, gamma):
+    target_only = client.post("/predict", json={"prompt": PROMPT, "temperature": 0, "max_new_tokens": 40,
+                                                "method": "target"}).get_json()
+    body = complete(client, temperature=0, max_tokens=40, method=method, gamma=gamma).get_json()
+    assert body["choices"][0]["text"] == target_only["text"]
+    assert body["usage"]["completion_tokens"] == target_only["usage"]["completion_tokens"]
+
+
+def test_max_tokens_left_out_fits_the_context(client):
+    body = complete(client, prompt="a" * 250).get_json()  # the default of 64 would not fit a context of 256
+    assert body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"] <= 256
+    assert body["usage"]["completion_tokens"] >= 1
+
+
+def test_prompt_over_the_context_is_context_length_exceeded(client):
+    error = assert_openai_error(complete(client, prompt="a" * 250, max_tokens=10), 400, "context_length_exceeded",
+                                "prompt")
+    assert "256" in error["message"] and "max_tokens" in error["message"]
+    assert_openai_error(chat(client, messages=[{"role": "user", "content": "a" * 260}]), 400,
+                        "context_length_exceeded", "messages")
+
+
+# --- streaming -------------------------------------------------------------------------------------------------
+
+def test_completion_stream_with_usage(client):
+    events = chunks(complete(client, stream=True, seed=5, max_tokens=30, stream_options={"include_usage": True}))
+    plain = complete(client, seed=5, max_tokens=30).get_json()
+    *content, usage = events
+    for chunk in events:
+        Completion.model_validate(chunk)
+        assert chunk["object"] == "text_completion" and chunk["id"] == events[0]["id"]
+    assert usage["choices"] == [] and usage["usage"] == plain["usage"]
+    assert all(chunk["usage"] is None for chunk in content)
+    assert "".join(chunk["choices"][0]["text"] for chunk in content) == plain["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in content[:-1]] == [None] * (len(content) - 1)
+    last = content[-1]["choices"][0]
+    assert last["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert last["speculative_decoding_stats"]["num_draft_tokens"] > 0
+    assert all("speculative_decoding_stats" not in c["choices"][0] for c in content[:-1])
+    assert len(content) > 2 and all(c["choices"][0]["text"] for c in content[:-1])  # no empty chunk before the last
+
+
+def test_chat_stream_starts_with_the_role(client):
+    events = chunks(chat(client, stream=True, seed=2, max_tokens=25))
+    plain = chat(client, seed=2, max_tokens=25).get_json()
+    for chunk in events:
+        ChatCompletionChunk.model_validate(chunk)
+        assert chunk["object"] == "chat.completion.chunk" and "usage" not in chunk  # not asked for
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(set(c["choices"][0]["delta"]) == {"content"} for c in events[1:])
+    assert "".join(c["choices"][0]["delta"]["content"] for c in events) == plain["choices"][0]["message"]["content"]
+    assert events[-1]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert all(c["choices"][0]["finish_reason"] is None for c in events[:-1])
+
+
+def test_stream_stop_string_is_never_sent(client):
+    full = complete(client, temperature=0, max_tokens=60).get_json()["choices"][0]["text"]
+    stop = full[20:24]
+    expected = full[:full.find(stop)]
+    events = chunks(complete(client, temperature=0, max_tokens=60, stop=stop, stream=True))
+    assert "".join(c["choices"][0]["text"] for c in events) == expected
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    body = complete(client, temperature=0, max_tokens=60, stop=["never-there", stop]).get_json()
+    assert body["choices"][0]["text"] == expected and body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_failure_mid_stream_is_an_openai_error_chunk(client, service, monkeypatch):
+    real_stream = service.decoder.stream
+
+    def failing(*args, **kwargs):
+        stream = real_stream(*args, **kwargs)
+        yield next(stream)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(service.decoder, "stream", failing)
+    events = chunks(chat(client, stream=True, max_tokens=30))
+    error = events[-1]["error"]
+    assert error["type"] == "server_error" and error["code"] == "internal_error" and "boom" not in error["message"]
+    assert not service.scheduler.busy
+
+
+def test_closing_a_stream_stops_generation(client, service, caplog):
+    before = metric(client, "specdec_generated_tokens_total")
+    with caplog.at_level(logging.INFO, logger="specdec.serve"):
+        response = client.post("/v1/completions", headers={"X-Request-ID": "v1-gone"},
+                               json={"model": "target", "prompt": PROMPT, "max_tokens": 200, "gamma": 2,
+                                     "stream": True})
+        assert next(iter(response.response)).startswith(b"data: ") and service.scheduler.busy
+        response.close()
+    assert not service.scheduler.busy
+    assert metric(client, "specdec_generated_tokens_total") - before <= 3
+    assert any("request_id=v1-gone POST /v1/completions" in r.getMessage() and "finish_reason=cancelled"
+               in r.getMessage() for r in caplog.records)
+
+
+# --- refusals and errors ---------------------------------------------------------------------------------------
+
+REFUSED = [  # (route, field values, param, code)
+    ("completions", {"n": 2}, "n", "unsupported_value"),
+    ("chat", {"n": 3}, "n", "unsupported_value"),
+    ("completions", {"logprobs": 1}, "logprobs", "unsupported_value"),
+    ("chat", {"logprobs": True}, "logprobs", "unsupported_value"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs", "unsupported_value"),
+    ("completions", {"presence_penalty": 0.5}, "presence_penalty", "unsupported_value"),
+    ("chat", {"frequency_penalty": -1}, "frequency_penalty", "unsupported_value"),
+    ("chat", {"logit_bias": {"5": 10}}, "logit_bias", "unsupported_value"),
+    ("chat", {"response_format": {"type": "json_object"}}, "response_format", "unsupported_value"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_value"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice", "unsupported_value"),
+    ("chat", {"functions": [{"name": "f"}]}, "functions", "unsupported_value"),
+    ("completions", {"echo": True}, "echo", "unsupported_value"),
+    ("completions", {"best_of": 2}, "best_of", "unsupported_value"),
+    ("completions", {"suffix": "}"}, "suffix", "unsupported_value"),
+    ("completions", {"n": True}, "n", "unsupported_value"),
+    ("chat", {"modalities": ["audio"]}, "modalities", "unknown_parameter"),
+    ("completions", {"max_new_tokens": 5}, "max_new_tokens", "unknown_parameter"),
+    ("chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name",
+     "unknown_parameter"),
+    ("completions", {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage",
+     "invalid_value"),
+    ("chat", {"max_tokens": 5, "max_completion_tokens": 5}, "max_tokens", "invalid_value"),
+    ("completions", {"temperature": 2.5}, "temperature", "invalid_value"),
+    ("completions", {"temperature": 1e-9}, "temperature", "invalid_value"),
+    ("chat", {"top_p": 0}, "top_p", "invalid_value"),
+    ("completions", {"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ("completions", {"max_tokens": 1025}, "max_tokens", "invalid_value"),
+    ("chat", {"max_completion_tokens": 1025}, "max_completion_tokens", "invalid_value"),
+    ("chat", {"max_tokens": "5"}, "max_tokens", "invalid_value"),
+    ("completions", {"gamma": 17}, "gamma", "invalid_value"),
+    ("completions", {"method": "draft"}, "method", "invalid_value"),
+    ("completions", {"seed": 2**64}, "seed", "invalid_value"),
+    ("completions", {"stop": [f"s{i}" for i in range(17)]}, "stop", "invalid_value"),
+    ("completions", {"stop": [""]}, "stop", "invalid_value"),
+    ("completions", {"prompt": [1, 2, 3]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": ["one", "two"]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": ""}, "prompt", "invalid_value"),
+    ("chat", {"messages": []}, "messages", "invalid_value"),
+    ("chat", {"messages": [{"role": "tool", "content": "42"}]}, "messages[0].role", "invalid_value"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content", "invalid_value"),
+    ("chat", {"model": None}, "model", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("route, fields, param, code", REFUSED, ids=lambda v: json.dumps(v)[:40])
+def test_unsupported_or_invalid_field_is_400_naming_it(client, route, fields, param, code):
+    before = metric(client, "specdec_generated_tokens_total")
+    response = (complete if route == "completions" else chat)(client, **fields)
+    assert_openai_error(response, 400, code, param)
+    assert metric(client, "specdec_generated_tokens_total") == before  # nothing was decoded
+
+
+def test_missing_model_is_400(client):
+    response = client.post("/v1/completions", json={"prompt": PROMPT})
+    assert_openai_error(response, 400, "missing_required_parameter", "model")
+
+
+def test_no_op_values_of_unsupported_fields_are_accepted(client):
+    noop = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "user": "u-1",
+            "stop": None, "seed": None}
+    assert complete(client, max_tokens=3, echo=False, best_of=1, logprobs=None, suffix="", **noop).status_code == 200
+    response = chat(client, max_tokens=3, logprobs=False, top_logprobs=0, response_format={"type": "text"}, tools=[],
+                    tool_choice="none", parallel_tool_calls=True, functions=[], function_call="none", **noop)
+    assert response.status_code == 200, response.get_json()
+
+
+def test_unknown_model_is_404_model_not_found(client):
+    error = assert_openai_error(complete(client, model="gpt-4o"), 404, "model_not_found", "model")
+    assert "'target'" in error["message"]
+    assert_openai_error(chat(client, model="draft"), 404, "model_not_found", "model")
+
+
+@pytest.mark.parametrize("method, path, status, code", [
+    ("POST", "/v1/embeddings", 404, "not_found"),
+    ("GET", "/v1", 404, "not_found"),
+    ("GET", "/v1/completions", 405, "method_not_allowed"),
+    ("POST", "/v1/models", 405, "method_not_allowed"),
+])
+def test_unknown_route_or_method_under_v1(client, method, path, status, code):
+    response = client.open(path, method=method, json={})
+    assert_openai_error(response, status, code)
+    if status == 405:
+        assert "Allow" in response.headers
+
+
+def test_body_errors_under_v1(client):
+    assert_openai_error(client.post("/v1/completions", data="{", content_type="application/json"), 400,
+                        "invalid_json")
+    assert_openai_error(client.post("/v1/completions", data=json.dumps({"model": "target", "prompt": PROMPT}),
+                                    content_type="text/plain"), 415, "unsupported_media_type")
+    huge = json.dumps({"model": "target", "prompt": "a" * (1 << 20)})
+    assert_openai_error(client.post("/v1/chat/completions", data=huge, content_type="application/json"), 413,
+                        "body_too_large")
+
+
+def test_errors_outside_v1_keep_the_predict_shape(client):
+    error = client.get("/nope").get_json()["error"]
+    assert set(error) == {"type", "message", "field"} and error["type"] == "not_found"
+    error = client.post("/predict", json={"prompt": PROMPT, "n": 2}).get_json()["error"]
+    assert error == {"type": "invalid_field", "message": "unknown field 'n'", "field": "n"}
+
+
+def test_overload_is_503_with_retry_after(pair):
+    app = make_app(pair, queue_size=0)
+    slot = app.extensions["specdec"].scheduler.acquire()  # another request is decoding
+    try:
+        response = chat(app.test_client(), max_tokens=2)
+    finally:
+        slot.release()
+    assert_openai_error(response, 503, "overloaded")
+    assert response.headers["Retry-After"] == "5"
+    assert chat(app.test_client(), max_tokens=2).status_code == 200
+
+
+# --- shared with /predict: log line, metrics, OpenAPI ----------------------------------------------------------
+
+def test_one_log_line_per_request(client, caplog):
+    with caplog.at_level(logging.INFO, logger="specdec.serve"):
+        chat(client, max_tokens=5, headers={"X-Request-ID": "v1-log-1"})
+        client.post("/v1/chat/completions", json={"model": "target", "messages": MESSAGES, "n": 2},
+                    headers={"X-Request-ID": "v1-log-2"})
+    (ok,) = [r.getMessage() for r in caplog.records if "request_id=v1-log-1 " in r.getMessage()]
+    for part in ("POST /v1/chat/completions", "status=200", "completion_tokens=5", "method=google"):
+        assert part in ok
+    (refused,) = [r.getMessage() for r in caplog.records if "request_id=v1-log-2 " in r.getMessage()]
+    assert "status=400" in refused and "error=unsupported_value" in refused
+
+
+def test_metrics_count_v1_requests_and_acceptance_by_position(client):
+    served = '{endpoint="/v1/completions",status="200"}'
+    requests_before = metric(client, "specdec_requests_total", served)
+    lengths_before = (metric(client, "specdec_spec_decode_mean_acceptance_length_count"),
+                      metric(client, "specdec_spec_decode_mean_acceptance_length_sum"))
+    per_pos = [metric(client, "specdec_spec_decode_num_accepted_tokens_per_pos_total", f'{{position="{i}"}}')
+               for i in range(4)]
+    stats = complete(client, max_tokens=40, gamma=4, seed=11).get_json()["choices"][0]["speculative_decoding_stats"]
+    assert metric(client, "specdec_requests_total", served) == requests_before + 1
+    accepted = stats["num_accepted_tokens_per_pos"] + [0] * (4 - len(stats["num_accepted_tokens_per_pos"]))
+    assert sum(accepted) > 0
+    for i in range(4):
+        assert metric(client, "specdec_spec_decode_num_accepted_tokens_per_pos_total",
+                      f'{{position="{i}"}}') == per_pos[i] + accepted[i]
+    assert metric(client, "specdec_spec_decode_mean_acceptance_length_count") == lengths_before[0] + 1
+    assert metric(client, "specdec_spec_decode_mean_acceptance_length_sum") == pytest.approx(
+        lengths_before[1] + stats["mean_acceptance_length"])
+
+
+def test_openapi_describes_the_v1_routes(pair):
+    app = make_app(pair, max_new_tokens=4, max_new_tokens_limit=8, max_gamma=6)
+    document = app.test_client().get("/openapi.json").get_json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(document["paths"])
+    schemas = document["components"]["schemas"]
+    for name, model in (("CompletionRequest", CompletionRequest), ("ChatCompletionRequest", ChatCompletionRequest)):
+        request = schemas[name]
+        assert set(request["properties"]) == set(model.model_fields) and request["additionalProperties"] is False
+        assert request["properties"]["max_tokens"]["maximum"] == 8 and request["properties"]["gamma"]["maximum"] == 6
+        assert request["properties"]["model"]["enum"] == ["target"]
+        assert request["properties"]["n"]["enum"] == [1]
+    assert schemas["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["maximum"] == 8
+    assert "speculative_decoding_stats" in schemas["CompletionChoice"]["properties"]
+    responses = document["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert {"200", "400", "404", "413", "415", "503"} <= set(responses)
+    assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/OpenAIErrorResponse")
+    assert "const" not in json.dumps(document)  # OpenAPI 3.0 has no const
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_schemathesis_against_the_v1_routes(pair, path, mode):
+    """Requests drawn from /openapi.json: valid ones (that fit the context) get 200, invalid ones a 4xx, and every
+    answer matches the document."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, reject, settings
+
+    app = make_app(pair, max_new_tokens=4, max_new_tokens_limit=8)
+    service = app.extensions["specdec"]
+    operation = schemathesis.openapi.from_wsgi("/openapi.json", app)[path]["POST"]
+
+    def fits(body: dict) -> bool:  # the document cannot say how many tokens a text makes
+        try:
+            if "messages" in body:
+                ids = service.encode(messages=ChatCompletionRequest.model_validate(body).chat_messages())
+            else:
+                ids = service.encode(CompletionRequest.model_validate(body).prompt_text)
+        except ApiError:  # over the context by itself
+            return False
+        return len(ids) + (body.get("max_tokens") or body.get("max_completion_tokens") or 1) <= 256
+
+    statuses = []
+
+    @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
+    def check(case):
+        if mode == "positive" and not fits(case.body):
+            reject()
+        response = case.call()
+        statuses.append(response.status_code)
+        case.validate_response(response)
+        assert (response.status_code == 200) == (mode == "positive"), response.text[:500]
+
+    check()
+    assert statuses
+    case = operation.schema["/v1/models"]["GET"].Case()
+    case.validate_response(case.call())

@@ -130,7 +130,8 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"] = Field(
+        description="developer is OpenAI's newer name for system, and goes to the template as system")
     content: Annotated[Text | list[TextPart], BeforeValidator(_text_content)] = Field(
         description="a string, or text parts (joined with newlines)")
 
@@ -275,7 +276,8 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def chat_messages(self) -> list[dict]:
-        return [{"role": message.role, "content": message.text()} for message in self.messages]
+        return [{"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+                for message in self.messages]
 
 
 def parse(model: type[_Request], body: dict) -> _Request:

@@ -7,6 +7,7 @@
     loader.py     loading the pair                generation.py  driving one generation, JSON or SSE
     scheduler.py  one at a time, bounded queue    metrics.py     Prometheus
     openapi.py    /openapi.json from the models   server.py      gunicorn
+    openai_protocol.py  OpenAI's shapes (/v1)       openai_routes.py  the /v1 Blueprint
 """
 
 from .app import create_app

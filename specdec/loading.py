@@ -7,13 +7,19 @@ The tokenizer is the target's, checked against the draft's before anything runs.
 the default pair never touch the hub; a hub id that cannot be loaded is one SpecDecError sentence.
 """
 
+import contextlib
+import ctypes
+import hashlib
+import inspect
 import logging
 import os
+import platform
 import re
 import socket
 import time
 import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -35,6 +41,9 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model")
+# every file a tokenizer may be read from, by the start of its name
+TOKENIZER_FILE_PREFIXES = ("tokenizer", "special_tokens_map", "added_tokens", "chat_template", "vocab", "merges",
+                           "spiece", "sentencepiece")
 DRAFT_QUANTIZATIONS = ("int8", "none")
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
@@ -160,25 +169,180 @@ def _unreachable(source: ModelSource, role: str, what: str, error: Exception) ->
                         field=f"{role}_model")
 
 
+@contextlib.contextmanager
+def startup_step(what: str):
+    """Time one step of a start-up and log it as one line, "start-up: <what> in <seconds> s (<detail>)". The
+    step may set `note["detail"]` on the dict it is given."""
+    note: dict = {}
+    started = time.perf_counter()
+    yield note
+    detail = f" ({note['detail']})" if note.get("detail") else ""
+    logger.info("start-up: %s in %.2f s%s", what, time.perf_counter() - started, detail)
+
+
 def load_model(source: ModelSource, role: str, device: torch.device, dtype: torch.dtype, device_map=None,
-               trust_remote_code: bool = False):
-    """A causal LM in eval mode on `device` (or spread by accelerate's `device_map`) in `dtype`."""
+               trust_remote_code: bool = False, own_memory: bool = False):
+    """A causal LM in eval mode on `device` (or spread by accelerate's `device_map`) in `dtype`.
+
+    `own_memory`: on CPU, read a local safetensors checkpoint straight into the process's memory, tensor by
+    tensor (`read_weights`), instead of leaving it memory-mapped as `from_pretrained` does. On CUDA the weights
+    go from the file to the GPU once, in `dtype`, with no copy in the process's memory.
+    """
     from transformers import AutoModelForCausalLM
 
-    started = time.perf_counter()
+    if own_memory and device.type == "cpu" and device_map is None:
+        model = _load_into_own_memory(source, role, dtype, trust_remote_code)
+        if model is not None:
+            return model
     kwargs = _pretrained_kwargs(source, trust_remote_code)
     if device_map is not None:
         kwargs["device_map"] = device_map
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **kwargs)
-    except (OSError, ValueError, KeyError, ImportError, RuntimeError) as error:
-        raise _unreachable(source, role, "model", error) from None
-    if device_map is None:
-        model.to(device)
-    model.eval()
-    logger.info("loaded the %s model %s (%s, %s) in %.1f s", role, source, dtype,
-                device_map if device_map is not None else device, time.perf_counter() - started)
+    elif device.type == "cuda":
+        kwargs["device_map"] = {"": device}  # each tensor straight to the GPU, not through the CPU first
+    with startup_step(f"loaded the {role} model {source} ({str(dtype).removeprefix('torch.')}, "
+                      f"{device_map if device_map is not None else device})"):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype, **kwargs)
+        except (OSError, ValueError, KeyError, ImportError, RuntimeError) as error:
+            raise _unreachable(source, role, "model", error) from None
+        if "device_map" not in kwargs:
+            model.to(device)
+        model.eval()
     return model
+
+
+def _causal_lm_class(source: ModelSource, trust_remote_code: bool):
+    """(config, the transformers class) for a local folder of a model transformers itself implements; (None, None)
+    for anything else (GGUF files, hub ids, remote code), which `from_pretrained` then loads as usual."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from .weights import checkpoint_files
+
+    if not source.local or source.gguf_file or checkpoint_files(source.path) is None:
+        return None, None
+    try:
+        config = AutoConfig.from_pretrained(source.path, **_pretrained_kwargs(source, trust_remote_code))
+    except (OSError, ValueError, KeyError, ImportError, RuntimeError):
+        return None, None  # from_pretrained says what is wrong
+    if getattr(config, "auto_map", None):
+        return None, None
+    return config, MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+
+
+def _finish(model, source: ModelSource):
+    """What `from_pretrained` gives a model from a folder besides its weights: its name, its generation config,
+    eval mode."""
+    from transformers import GenerationConfig
+
+    model.name_or_path = model.config.name_or_path = source.path
+    if os.path.isfile(os.path.join(source.path, "generation_config.json")):
+        model.generation_config = GenerationConfig.from_pretrained(source.path, local_files_only=True)
+    return model.eval()
+
+
+def _load_into_own_memory(source: ModelSource, role: str, dtype: torch.dtype, trust_remote_code: bool):
+    """`load_model` for a local safetensors folder on CPU: each tensor read once, straight into the process's
+    memory, and handed to the model as it is (no copy). None where that does not apply."""
+    from .weights import WeightsError, checkpoint_files, read_safetensors
+
+    config, model_class = _causal_lm_class(source, trust_remote_code)
+    if model_class is None:
+        return None
+    try:
+        with startup_step(f"read the {role}'s weights into the process's memory") as note:
+            state = {}
+            for path in checkpoint_files(source.path):
+                state.update(read_safetensors(path, dtype=dtype))
+            note["detail"] = f"{_bytes(state.values()) / 1e9:.2f} GB, {len(state)} tensors, from {source}"
+        with startup_step(f"built the {role} model"):
+            model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
+            del state  # the model holds the only references: no tensor was copied
+    except (OSError, ValueError, KeyError, RuntimeError, WeightsError) as error:
+        raise _unreachable(source, role, "model", error) from None
+    return _finish(model, source)
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def load_draft(source: ModelSource, device: torch.device, dtype: torch.dtype, draft_quantization: str,
+               trust_remote_code: bool = False, own_memory: bool = True):
+    """The draft, int8 already where `draft_quantization` asks for it and it applies (a float32 CPU draft).
+
+    An int8 draft from a folder in the cache (the default pair) is kept there, as a ready form: later starts read
+    that form (verified: `weights.ReadyForm`) and never the float weights of its quantized layers. A missing,
+    stale or damaged form is built again from the float draft, quantized layer by layer, and kept.
+    """
+    from .cpu.linear import load_quantized, quantization_supported, quantize_linears, quantized_tensors
+
+    if draft_quantization != "int8" or device.type != "cpu" or dtype != torch.float32 \
+            or not quantization_supported():
+        return load_model(source, "draft", device, dtype, None, trust_remote_code, own_memory)
+    form = int8_draft_form(source)
+    config, model_class = _causal_lm_class(source, trust_remote_code) if form is not None else (None, None)
+    if model_class is not None:
+        from .cpu.linear import int8_layout
+
+        skeleton = _skeleton(config, dtype)
+        with startup_step("read the int8 draft's kept form") as note:
+            tensors = form.load(int8_layout(skeleton))
+            note["detail"] = "none usable" if tensors is None else \
+                f"{_bytes(tensors.values()) / 1e9:.2f} GB, verified, from {form.path}"
+        if tensors is not None:
+            with startup_step("built the int8 draft"):
+                load_quantized(skeleton, tensors)
+            return _finish(skeleton, source)
+    draft = load_model(source, "draft", device, dtype, None, trust_remote_code, own_memory)
+    with startup_step("quantized the draft to int8") as note:
+        note["detail"] = f"{quantize_linears(draft)} linear layers"
+    if form is not None:
+        with startup_step("kept the int8 draft for later starts") as note:
+            try:
+                form.save(quantized_tensors(draft))
+                note["detail"] = str(form.path)
+            except (OSError, ValueError) as error:  # a read-only cache costs the next start time, nothing else
+                logger.warning("could not keep the int8 draft in %s: %s", form.path, error)
+    return draft
+
+
+def _skeleton(config, dtype: torch.dtype):
+    """The model with its parameters on the meta device (nothing allocated) and its buffers computed on CPU."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights(include_buffers=False):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+READY_FORMAT = 1  # bump when a ready form's layout changes
+
+
+def int8_draft_form(source: ModelSource):
+    """Where the int8 draft of `source` is kept (a `weights.ReadyForm`), for a folder in the cache; else None.
+
+    Its key is what the int8 weights depend on: the source checkpoint (`weights.fingerprint`), the code that
+    quantizes and lays them out (cpu_linear's source), the torch version and int8 engine, and the machine.
+    """
+    from .cpu import linear as cpu_linear
+    from .default_pair import cache_root
+    from .weights import ReadyForm, fingerprint
+
+    if not source.local or source.gguf_file:
+        return None
+    folder, root = Path(source.path).resolve(), cache_root().resolve()
+    if root not in folder.parents:
+        return None
+    import transformers
+
+    key = {"form": "int8-draft", "format": READY_FORMAT, "torch": torch.__version__,
+           "transformers": transformers.__version__, "int8_engine": torch.backends.quantized.engine,
+           "machine": platform.machine(),
+           "cpu": hashlib.sha256(cpu_linear._cpu_signature().encode()).hexdigest()[:16],
+           "code": hashlib.sha256(Path(inspect.getsourcefile(cpu_linear)).read_bytes()).hexdigest()[:16],
+           "source": fingerprint(folder)}
+    return ReadyForm(root / "ready" / f"{folder.name}.int8.safetensors", key)
 
 
 def has_tokenizer(source: ModelSource) -> bool:
@@ -196,6 +360,20 @@ def load_tokenizer(source: ModelSource, role: str = "target", trust_remote_code:
         return AutoTokenizer.from_pretrained(source.path, **_pretrained_kwargs(source, trust_remote_code))
     except (OSError, ValueError, KeyError, ImportError, RuntimeError) as error:
         raise _unreachable(source, role, "tokenizer", error) from None
+
+
+def _tokenizer_files(source: ModelSource) -> dict[str, str]:
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(Path(source.path).iterdir())
+            if path.is_file() and path.name.startswith(TOKENIZER_FILE_PREFIXES)}
+
+
+def same_tokenizer_files(draft: ModelSource, target: ModelSource) -> bool:
+    """Whether two local folders hold the same tokenizer files, byte for byte (then the tokenizers are one, and
+    the draft's need not be loaded): the default pair's draft carries a verbatim copy of the target's."""
+    if not (draft.local and target.local) or draft.gguf_file or target.gguf_file:
+        return False
+    files = _tokenizer_files(target)
+    return bool(files) and any(name.startswith("tokenizer") for name in files) and files == _tokenizer_files(draft)
 
 
 def check_tokenizers(draft_tokenizer, target_tokenizer) -> None:
@@ -218,39 +396,53 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     `cpu_kernels`: float32 CPU linear layers computed by our few-rows kernel (or packed once by oneDNN where it
     cannot be built; specdec.cpu.linear), so verifying gamma tokens in one target forward costs about what one
     token does, CPU attention over grouped heads skips copying the cache per head (specdec.cpu.attention), and
-    CPU weights are copied out of the memory-mapped checkpoint into the process's memory (`use_own_memory`);
+    CPU weights are read straight into the process's memory, tensor by tensor, not memory-mapped (`load_model`);
     models elsewhere or in half precision keep the library's kernels.
     `draft_quantization`: "int8" (default) quantizes a float32 CPU draft's linear layers to int8, which makes
     proposing 2.5-3x cheaper; outputs stay exactly the target's, since the rejection rule uses the quantized
-    draft's own probabilities. "none" (or None) keeps the draft as loaded. The target is never quantized.
+    draft's own probabilities. "none" (or None) keeps the draft as loaded. The target is never quantized. The
+    default pair's int8 draft is kept in the cache and read from there at later starts (`load_draft`).
+
+    Each step logs one line with its seconds ("start-up: ...").
     """
     from .engine import check_vocabularies
 
-    draft_quantization = resolve_draft_quantization(draft_quantization)
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
-    target_source = resolve_source(target, "target")
-    draft_source = resolve_source(draft, "draft")
+    with startup_step("checked the model sources"):
+        draft_quantization = resolve_draft_quantization(draft_quantization)
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
+        target_source = resolve_source(target, "target")
+        draft_source = resolve_source(draft, "draft")
 
     # tokenizers first: a mismatched pair fails before any weights are read
-    tokenizer = load_tokenizer(target_source, "target", trust_remote_code) if has_tokenizer(target_source) else None
+    with startup_step("loaded the target's tokenizer"):
+        tokenizer = load_tokenizer(target_source, "target", trust_remote_code) \
+            if has_tokenizer(target_source) else None
     if has_tokenizer(draft_source):
-        draft_tokenizer = load_tokenizer(draft_source, "draft", trust_remote_code)
-        if tokenizer is None:
-            tokenizer = draft_tokenizer
-        else:
-            check_tokenizers(draft_tokenizer, tokenizer)
+        with startup_step("compared the draft's tokenizer files with the target's") as note:
+            same = tokenizer is not None and same_tokenizer_files(draft_source, target_source)
+            note["detail"] = "the same bytes: one tokenizer, not loaded again" if same else "not the same"
+        if not same:
+            with startup_step("loaded the draft's tokenizer and checked it against the target's"):
+                draft_tokenizer = load_tokenizer(draft_source, "draft", trust_remote_code)
+                if tokenizer is None:
+                    tokenizer = draft_tokenizer
+                else:
+                    check_tokenizers(draft_tokenizer, tokenizer)
     if tokenizer is None:
         raise SpecDecError(f"neither {target_source} nor {draft_source} has a tokenizer", field="target_model")
 
-    target_model = load_model(target_source, "target", device, dtype, device_map, trust_remote_code)
-    draft_model = load_model(draft_source, "draft", device, dtype, None, trust_remote_code)
+    # the draft first: a float draft quantized at start-up is int8 again before the target's weights arrive
+    draft_model = load_draft(draft_source, device, dtype, draft_quantization, trust_remote_code, cpu_kernels)
+    target_model = load_model(target_source, "target", device, dtype, device_map, trust_remote_code, cpu_kernels)
     check_vocabularies(draft_model, target_model, tokenizer)
     vocab_size = target_model.config.get_text_config(decoder=True).vocab_size
     if len(tokenizer) > vocab_size:
         raise SpecDecError(f"the tokenizer has {len(tokenizer)} tokens but the models only {vocab_size} logits",
                            field="target_model")
-    apply_cpu_kernels(draft_model, target_model, draft_quantization, cpu_kernels)
+    with startup_step("CPU kernels for the pair") as note:
+        changed = apply_cpu_kernels(draft_model, target_model, draft_quantization, cpu_kernels)
+        note["detail"] = "the target's forward changed" if changed else "nothing to change"
     return draft_model, target_model, tokenizer
 
 
@@ -299,19 +491,59 @@ def use_stock_kernels(model) -> bool:
 
 
 def use_own_memory(model) -> int:
-    """Copy a model's CPU parameters into the process's own memory, in place; returns the bytes copied.
+    """Copy a model's CPU parameters that are memory-mapped from a file into the process's own memory, one at a
+    time, in place; returns the bytes copied.
 
-    `from_pretrained` leaves safetensors weights memory-mapped from the checkpoint file, in the page cache. On our
-    CPUs a forward that streams all the weights runs about 20% faster from the process's own (anonymous) memory
-    (the target: 336-350 ms against 413-515 for one new token; see the README). A tied weight is one parameter,
-    copied once, and stays tied.
+    `from_pretrained` leaves safetensors weights memory-mapped from the checkpoint file, in the page cache (where
+    `load_model` cannot read them straight into the process's memory: hub ids, remote code). On our CPUs a
+    forward that streams all the weights runs about 20% faster from the process's own (anonymous) memory (see
+    the README). Each tensor's mapped pages are released as soon as it is copied, so the mapped and the own copy
+    of at most one tensor are resident together. A tied weight is one parameter, copied once, and stays tied.
+    Without /proc (not Linux), every CPU parameter is copied.
     """
+    mappings = _file_mappings()
     copied = 0
     for param in model.parameters():
-        if param.device.type == "cpu":
-            param.data = param.data.clone()
-            copied += param.numel() * param.element_size()
+        if param.device.type != "cpu" or param.numel() == 0:
+            continue
+        if mappings is not None and not any(low <= param.data_ptr() < high for low, high in mappings):
+            continue  # already in the process's own memory
+        mapped = param.data
+        param.data = mapped.clone()
+        if mappings is not None:
+            _release_pages(mapped.data_ptr(), mapped.numel() * mapped.element_size())
+        copied += param.numel() * param.element_size()
+        del mapped
     return copied
+
+
+def _file_mappings() -> list[tuple[int, int]] | None:
+    """The address ranges this process maps from files (/proc/self/maps), or None where that cannot be read."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return None
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[4] != "0" and fields[5].startswith("/"):
+            low, high = fields[0].split("-")
+            ranges.append((int(low, 16), int(high, 16)))
+    return ranges
+
+
+MADV_DONTNEED = 4
+
+
+def _release_pages(address: int, length: int) -> None:
+    """Drop the whole pages of a file-mapped range from the process's resident memory (madvise DONTNEED): they
+    are read-only file pages, so a later access would only map them again from the page cache."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start, end = -(-address // page) * page, (address + length) // page * page
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
 def resolve_draft_quantization(value: str | None) -> str:

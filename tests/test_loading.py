@@ -154,8 +154,9 @@ def test_load_pair_in_bfloat16_with_a_device_map_for_the_target(tiny_pair_dirs, 
     draft, target, _ = load_pair(*tiny_pair_dirs, dtype="bfloat16", device_map={"": "cpu"})
     assert next(draft.parameters()).dtype == torch.bfloat16
     assert next(target.parameters()).dtype == torch.bfloat16
-    target_call, draft_call = calls
-    assert target_call["device_map"] == {"": "cpu"} and "device_map" not in draft_call
+    # the target through from_pretrained with the device map; the draft, without one, read into own memory
+    (target_call,) = calls
+    assert target_call["device_map"] == {"": "cpu"}
     assert target_call["local_files_only"] and target_call["trust_remote_code"] is False
 
 
@@ -295,9 +296,35 @@ def test_load_pair_copies_cpu_weights_out_of_the_mapped_checkpoint(tiny_pair_dir
         torch.testing.assert_close(target(input_ids=ids).logits, stock(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_use_own_memory_keeps_tied_weights_tied():
-    model = make_model("qwen2", seed=0, hidden=64, tie_word_embeddings=True)
-    before = model.lm_head.weight.detach().clone()
-    assert loading.use_own_memory(model) == sum(p.numel() * p.element_size() for p in model.parameters())
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_weights_read_into_own_memory_give_bitwise_the_stock_outputs(tiny_pair_dirs):
+    from transformers import AutoModelForCausalLM
+
+    _, target_dir = tiny_pair_dirs
+    stock = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    own = loading.load_model(ModelSource(target_dir), "target", torch.device("cpu"), torch.float32, own_memory=True)
+    ranges = _mapped_from(".safetensors")
+    assert not [n for n, p in own.named_parameters() if any(lo <= p.data_ptr() < hi for lo, hi in ranges)]
+    assert own.name_or_path == target_dir and own.generation_config.eos_token_id == stock.generation_config.eos_token_id
+    assert not own.training
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(own(input_ids=ids).logits, stock(input_ids=ids).logits)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux /proc")
+def test_use_own_memory_copies_mapped_weights_one_by_one_bitwise_and_keeps_ties(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    make_model("qwen2", seed=0, hidden=64, tie_word_embeddings=True).save_pretrained(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # memory-mapped from the checkpoint
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+    mapped_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert loading.use_own_memory(model) == mapped_bytes  # every parameter was mapped
+    assert loading.use_own_memory(model) == 0  # and none is now
     assert model.lm_head.weight is model.get_input_embeddings().weight
-    assert torch.equal(model.lm_head.weight, before)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, expected)

@@ -213,3 +213,104 @@ def quantize_linears(model: nn.Module) -> int:
             setattr(parent, name, DynamicQuantizedLinear.from_float(linear))
     logger.info("quantized %d linear layers of %s to int8 (dynamic)", len(layers), type(model).__name__)
     return len(layers)
+
+
+# An int8 layer as plain tensors (a ready form in the cache): its int8 weight, per-output-channel scales and zero
+# points, and its float bias if any
+INT8_PARTS = ("int8_weight", "int8_scales", "int8_zero_points", "int8_bias")
+
+
+def _named_linears(model: nn.Module, kind):
+    """(parent, attribute, qualified name, layer) of every `kind` layer, as a list (safe to replace them)."""
+    return [(parent, name, f"{prefix}.{name}".lstrip("."), child) for prefix, parent in model.named_modules()
+            for name, child in parent.named_children() if type(child) is kind]
+
+
+def _float_state(model: nn.Module, skipped: set[int]):
+    """(name, tensor) of the parameters and persistent buffers outside the modules in `skipped`, each tensor once."""
+    seen = set()
+    for prefix, module in model.named_modules():
+        if id(module) in skipped:
+            continue
+        tensors = list(module.named_parameters(recurse=False))
+        tensors += [(n, b) for n, b in module.named_buffers(recurse=False)
+                    if b is not None and n not in module._non_persistent_buffers_set]
+        for name, tensor in tensors:
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield f"{prefix}.{name}".lstrip("."), tensor
+
+
+def int8_layout(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """What `quantized_tensors` gives for `model` once `quantize_linears` has made all its linears int8, as name:
+    (shape, dtype): each int8 layer's parts, then every other parameter and persistent buffer. `model` may be the
+    float model or a skeleton of it on the meta device."""
+    layout, layers = {}, set()
+    for _, _, prefix, linear in _named_linears(model, nn.Linear):
+        layout[f"{prefix}.int8_weight"] = ((linear.out_features, linear.in_features), torch.int8)
+        layout[f"{prefix}.int8_scales"] = ((linear.out_features,), torch.float64)
+        layout[f"{prefix}.int8_zero_points"] = ((linear.out_features,), torch.int64)
+        if linear.bias is not None:
+            layout[f"{prefix}.int8_bias"] = ((linear.out_features,), linear.bias.dtype)
+        layers.add(id(linear))
+    for name, tensor in _float_state(model, layers):
+        layout[name] = (tuple(tensor.shape), tensor.dtype)
+    return layout
+
+
+def quantized_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A model that `quantize_linears` made int8, as plain tensors (see `int8_layout`): what `load_quantized`
+    builds the same model from, bitwise."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    tensors, layers = {}, set()
+    for _, _, prefix, layer in _named_linears(model, DynamicQuantizedLinear):
+        weight, bias = layer._packed_params._weight_bias()
+        if weight.qscheme() != torch.per_channel_affine or weight.q_per_channel_axis() != 0:
+            raise ValueError(f"{prefix}: only per-output-channel int8 weights can be kept, not {weight.qscheme()}")
+        tensors[f"{prefix}.int8_weight"] = weight.int_repr()
+        tensors[f"{prefix}.int8_scales"] = weight.q_per_channel_scales()
+        tensors[f"{prefix}.int8_zero_points"] = weight.q_per_channel_zero_points()
+        if bias is not None:
+            tensors[f"{prefix}.int8_bias"] = bias.detach()
+        layers.add(id(layer))
+    for name, tensor in _float_state(model, layers):
+        tensors[name] = tensor.detach()
+    return tensors
+
+
+def load_quantized(model: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
+    """The inverse of `quantized_tensors`, in place: every other tensor loaded into `model`, then each nn.Linear
+    replaced by the int8 layer built from its parts. `model` is normally a skeleton whose parameters are on the
+    meta device, so no float weight of a quantized layer is ever allocated. Tensors are taken out of `tensors` as
+    they are used. Returns how many layers were built; ValueError if `tensors` does not fit `model`."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    parts = {name: tensors.pop(name) for name in [n for n in tensors if n.rsplit(".", 1)[-1] in INT8_PARTS]}
+    result = model.load_state_dict(tensors, strict=False, assign=True)
+    tensors.clear()
+    if result.unexpected_keys:
+        raise ValueError(f"tensors this model does not have: {result.unexpected_keys[:3]}")
+    layers = _named_linears(model, nn.Linear)
+    with warnings.catch_warnings():  # torch.ao's eager quantization warns that torchao will replace it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        for parent, name, prefix, linear in layers:
+            try:
+                weight = torch._make_per_channel_quantized_tensor(
+                    parts.pop(f"{prefix}.int8_weight"), parts.pop(f"{prefix}.int8_scales"),
+                    parts.pop(f"{prefix}.int8_zero_points"), 0)
+            except KeyError:
+                raise ValueError(f"no int8 form of the layer {prefix}") from None
+            bias = parts.pop(f"{prefix}.int8_bias", None)
+            layer = DynamicQuantizedLinear(linear.in_features, linear.out_features, bias_=bias is not None,
+                                           dtype=torch.qint8)
+            layer.set_weight_bias(weight, bias)
+            setattr(parent, name, layer)
+    if parts:
+        raise ValueError(f"int8 layers this model does not have: {sorted(parts)[:3]}")
+    on_meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
+    if on_meta:
+        raise ValueError(f"tensors missing for this model: {on_meta[:3]}")
+    logger.info("built %d int8 linear layers of %s from their kept form", len(layers), type(model).__name__)
+    return len(layers)

@@ -1,9 +1,9 @@
 """Start-up profile: load a pair as the service does (load_pair, then a two-token greedy warm-up) and report, for
 each step that loading logs, its seconds, the resident memory after it and the peak during it.
 
-    .venv/bin/python bench/startup.py                 # the default pair, files as they are in the page cache
-    .venv/bin/python bench/startup.py --cold          # evict the pair's files from the page cache first
-    .venv/bin/python bench/startup.py --json out.json
+    .venv/bin/python -m bench.startup                 # the default pair, files as they are in the page cache
+    .venv/bin/python -m bench.startup --cold          # evict the pair's files from the page cache first
+    .venv/bin/python -m bench.startup --json out.json
 
 Linux only: resident memory is VmRSS from /proc/self/status, and the peak of each step is VmHWM, reset between
 steps through /proc/self/clear_refs. Run one at a time: the default pair needs several GB while loading.
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
               "torch_threads": torch.get_num_threads(), "load_pair_seconds": load_seconds,
               "ready_seconds": total_seconds, "weights_bytes": weights, "steady_rss": steady, "peak_rss": peak,
               "steady_over_weights": steady / weights, "peak_over_steady": peak / steady, "steps": recorder.rows}
-    print(f"| step | s | RSS after (GiB) | peak during (GiB) | anon | file |")
+    print("| step | s | RSS after (GiB) | peak during (GiB) | anon | file |")
     print("|---|---|---|---|---|---|")
     for row in recorder.rows:
         print(f"| {row['step'][:90]} | {row['seconds']:.2f} | {row['rss'] / GIB:.2f} | {row['peak'] / GIB:.2f} "

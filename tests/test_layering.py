@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "specdec"
 LAYERS = {
     0: ("errors", "params", "stats", "sampling", "verification", "adaptive"),  # the math and the contracts
     1: ("kv_cache", "cpu"),  # models' caches and the CPU kernels
-    2: ("engine", "drafters", "loading", "default_pair", "text"),  # the engine and what feeds it
+    2: ("engine", "drafters", "loading", "weights", "default_pair", "text"),  # the engine and what feeds it
     3: ("cli", "serve", "__main__", "__init__"),  # the interfaces
 }
 APART = ("cli", "serve")  # the two interfaces know nothing of each other

@@ -5,7 +5,9 @@ import copy
 import io
 import json
 import logging
+import os
 import threading
+import time
 
 import pytest
 
@@ -59,6 +61,35 @@ def test_readyz_names_models_and_device(client, tiny_pair_dirs):
     assert body["status"] == "ready"
     assert body["models"] == {"draft": "draft", "target": "target"}  # local folders by name: no server paths
     assert body["device"] == "cpu" and body["dtype"] == "float32" and body["context_length"] == 256
+
+
+def test_readyz_reports_load_seconds_and_resident_memory(pair, caplog):
+    def loader(settings):
+        time.sleep(0.3)  # a load that takes a known minimum
+        return pair
+
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        app = create_app({"loader": loader})
+        assert app.extensions["specdec"].wait_until_loaded(30)
+    body = app.test_client().get("/readyz").get_json()
+    assert 0.3 <= body["load_seconds"] < 30
+    assert 10 << 20 < body["resident_memory_bytes"] <= body["peak_resident_memory_bytes"]
+    messages = [record.getMessage() for record in caplog.records]
+    assert any(m.startswith("start-up: warmed up (two greedy tokens) in ") for m in messages)
+    assert any(m.startswith(f"models ready in {body['load_seconds']:.1f} s, resident memory ") for m in messages)
+    metrics = app.test_client().get("/metrics").get_data(as_text=True)
+    assert f"specdec_load_seconds {body['load_seconds']}" in metrics
+
+
+def test_metrics_expose_the_process_resident_memory(client):
+    samples = dict(line.rsplit(" ", 1) for line in client.get("/metrics").get_data(as_text=True).splitlines()
+                   if line and not line.startswith("#"))
+    assert 0.5 * _resident() < float(samples["process_resident_memory_bytes"]) < 2 * _resident()
+
+
+def _resident() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_readyz_is_503_until_loaded(pair):

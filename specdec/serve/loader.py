@@ -14,8 +14,10 @@ from collections.abc import Callable
 from ..engine import SpeculativeDecoder, eos_token_ids
 from ..errors import SpecDecError
 from ..kv_cache import input_device
+from ..loading import startup_step
 from .config import Settings
 from .errors import ApiError
+from .metrics import peak_resident_memory_bytes, resident_memory_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +25,7 @@ logger = logging.getLogger(__name__)
 class ModelHost:
     """The resident pair of one app: `decoder`, `tokenizer` and `eos_token_ids` once loaded, or `load_error`."""
 
-    def __init__(self, settings: Settings, on_ready: Callable[[], None] = lambda: None):
+    def __init__(self, settings: Settings, on_ready: Callable[[float], None] = lambda load_seconds: None):
         self.settings = settings
         self.decoder: SpeculativeDecoder | None = None
         self.tokenizer = None
@@ -67,15 +69,21 @@ class ModelHost:
             draft, target, tokenizer = (s.loader or load_configured_pair)(s)
             decoder = SpeculativeDecoder(draft, target, tokenizer)
             self.eos_token_ids = sorted(eos_token_ids(target, tokenizer))
-            warmup = tokenizer.encode("Hello", add_special_tokens=False)[:1] or [0]
-            decoder.generate(warmup, params=s.sampling.replace(max_new_tokens=2, temperature=0.0))
+            with startup_step("warmed up (two greedy tokens)"):
+                warmup = tokenizer.encode("Hello", add_special_tokens=False)[:1] or [0]
+                decoder.generate(warmup, params=s.sampling.replace(max_new_tokens=2, temperature=0.0))
             self.info = {"models": {"draft": display_name(draft, s.draft_model),
                                     "target": display_name(target, s.target_model)},
                          "device": str(input_device(target)), "dtype": str(target.dtype).removeprefix("torch."),
-                         "context_length": decoder.context_length}
+                         "context_length": decoder.context_length,
+                         "load_seconds": round(time.perf_counter() - start, 2),
+                         "resident_memory_bytes": resident_memory_bytes(),
+                         "peak_resident_memory_bytes": peak_resident_memory_bytes()}
             self.tokenizer, self.decoder = tokenizer, decoder
-            self._on_ready()
-            logger.info("models ready in %.1f s: %s", time.perf_counter() - start, json.dumps(self.info))
+            self._on_ready(self.info["load_seconds"])
+            logger.info("models ready in %.1f s, resident memory %s (peak %s): %s", self.info["load_seconds"],
+                        _gigabytes(self.info["resident_memory_bytes"]),
+                        _gigabytes(self.info["peak_resident_memory_bytes"]), json.dumps(self.info))
         except Exception as error:  # noqa: BLE001 - any failure must be reported, and stops a gunicorn worker
             message = str(error) if isinstance(error, SpecDecError) else f"{type(error).__name__}: {error}"
             logger.error("model loading failed: %s", message, exc_info=not isinstance(error, SpecDecError))
@@ -94,6 +102,10 @@ def load_configured_pair(settings: Settings):
 
     return load_pair(draft=settings.draft_model, target=settings.target_model, device=settings.device,
                      dtype=settings.dtype, draft_quantization=settings.draft_quantization)
+
+
+def _gigabytes(count: int | None) -> str:
+    return "unknown" if count is None else f"{count / 1e9:.2f} GB"
 
 
 def display_name(model, configured: str) -> str:

@@ -1,6 +1,19 @@
-"""Prometheus metrics of one app, in its own registry (several apps in one process do not clash)."""
+"""Prometheus metrics of one app, in its own registry (several apps in one process do not clash), and the
+process's resident memory."""
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+import resource
+import sys
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 
 from ..stats import GenerationStats
 
@@ -36,6 +49,10 @@ class Metrics:
         self.queue_depth = Gauge("specdec_queue_depth", "Requests waiting for the engine", registry=self.registry)
         self.busy = Gauge("specdec_engine_busy", "1 while a request is decoding", registry=self.registry)
         self.ready = Gauge("specdec_ready", "1 once both models are loaded", registry=self.registry)
+        self.load_seconds = Gauge("specdec_load_seconds", "Seconds from the start of loading to ready, warm-up "
+                                  "included", registry=self.registry)
+        # process_resident_memory_bytes, process_cpu_seconds_total, ... (Linux /proc; nothing elsewhere)
+        ProcessCollector(registry=self.registry)
 
     def queue_changed(self, waiting: int, busy: bool) -> None:
         self.queue_depth.set(waiting)
@@ -60,3 +77,19 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def resident_memory_bytes() -> int | None:
+    """The process's resident memory now (VmRSS), or None where /proc cannot tell."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def peak_resident_memory_bytes() -> int:
+    """The most resident memory the process has had (ru_maxrss, which the kernel updates lazily: never less than
+    the resident memory now)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return max(peak if sys.platform == "darwin" else peak * 1024, resident_memory_bytes() or 0)

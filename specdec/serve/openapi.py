@@ -82,7 +82,13 @@ SCHEMAS = {
                        "models": {"type": "object", "required": ["draft", "target"],
                                   "properties": {"draft": {"type": "string"}, "target": {"type": "string"}}},
                        "device": {"type": "string"}, "dtype": {"type": "string"},
-                       "context_length": _nullable("integer")},
+                       "context_length": _nullable("integer"),
+                       "load_seconds": {"type": "number", "description": "from the start of loading to ready, "
+                                                                         "warm-up included"},
+                       "resident_memory_bytes": {**_nullable("integer"),
+                                                 "description": "the process's resident memory when it got ready"},
+                       "peak_resident_memory_bytes": {"type": "integer",
+                                                      "description": "the most it had while loading"}},
     },
     "Health": {"type": "object", "required": ["status"], "properties": {"status": {"type": "string", "enum": ["ok"]}}},
 }

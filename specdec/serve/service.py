@@ -50,10 +50,14 @@ class Service:
         self.settings = settings
         self.metrics = Metrics()
         self.scheduler = Scheduler(settings.queue_size, settings.queue_timeout, self.metrics.queue_changed)
-        self.models = ModelHost(settings, on_ready=lambda: self.metrics.ready.set(1))
+        self.models = ModelHost(settings, on_ready=self._ready)
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe for concurrent use
 
     # --- the resident pair (see loader.py) -----------------------------------------------------------------
+
+    def _ready(self, load_seconds: float) -> None:
+        self.metrics.load_seconds.set(load_seconds)
+        self.metrics.ready.set(1)
 
     @property
     def decoder(self):

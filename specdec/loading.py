@@ -288,15 +288,16 @@ def load_draft(source: ModelSource, device: torch.device, dtype: torch.dtype, dr
         skeleton = _skeleton(config, dtype)
         with startup_step("read the int8 draft's kept form") as note:
             tensors = form.load(int8_layout(skeleton))
-            note["detail"] = "none usable" if tensors is None else \
+            note["detail"] = f"none usable in {form.path}: building it" if tensors is None else \
                 f"{_bytes(tensors.values()) / 1e9:.2f} GB, verified, from {form.path}"
         if tensors is not None:
-            with startup_step("built the int8 draft"):
-                load_quantized(skeleton, tensors)
+            with startup_step("built the int8 draft") as note:
+                note["detail"] = f"{load_quantized(skeleton, tensors)} int8 linear layers packed"
             return _finish(skeleton, source)
     draft = load_model(source, "draft", device, dtype, None, trust_remote_code, own_memory)
     with startup_step("quantized the draft to int8") as note:
         note["detail"] = f"{quantize_linears(draft)} linear layers"
+        release_free_memory()  # the float weights just freed, before the target's arrive
     if form is not None:
         with startup_step("kept the int8 draft for later starts") as note:
             try:
@@ -319,11 +320,21 @@ def _skeleton(config, dtype: torch.dtype):
 READY_FORMAT = 1  # bump when a ready form's layout changes
 
 
+def _int8_form_code() -> str:
+    """A hash of the functions that quantize a draft and lay out its kept form: a change to any makes it stale."""
+    from .cpu import linear
+
+    functions = (linear.quantize_linears, linear._linears, linear.quantized_tensors, linear.load_quantized,
+                 linear.int8_layout, linear._named_linears, linear._float_state)
+    return hashlib.sha256("".join(inspect.getsource(f) for f in functions).encode()).hexdigest()[:16]
+
+
 def int8_draft_form(source: ModelSource):
     """Where the int8 draft of `source` is kept (a `weights.ReadyForm`), for a folder in the cache; else None.
 
     Its key is what the int8 weights depend on: the source checkpoint (`weights.fingerprint`), the code that
-    quantizes and lays them out (cpu_linear's source), the torch version and int8 engine, and the machine.
+    quantizes and lays them out (the source of those functions), the library versions and int8 engine, and the
+    machine.
     """
     from .cpu import linear as cpu_linear
     from .default_pair import cache_root
@@ -340,7 +351,7 @@ def int8_draft_form(source: ModelSource):
            "transformers": transformers.__version__, "int8_engine": torch.backends.quantized.engine,
            "machine": platform.machine(),
            "cpu": hashlib.sha256(cpu_linear._cpu_signature().encode()).hexdigest()[:16],
-           "code": hashlib.sha256(Path(inspect.getsourcefile(cpu_linear)).read_bytes()).hexdigest()[:16],
+           "code": _int8_form_code(),
            "source": fingerprint(folder)}
     return ReadyForm(root / "ready" / f"{folder.name}.int8.safetensors", key)
 
@@ -441,9 +452,19 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
         raise SpecDecError(f"the tokenizer has {len(tokenizer)} tokens but the models only {vocab_size} logits",
                            field="target_model")
     with startup_step("CPU kernels for the pair") as note:
-        changed = apply_cpu_kernels(draft_model, target_model, draft_quantization, cpu_kernels)
-        note["detail"] = "the target's forward changed" if changed else "nothing to change"
+        apply_cpu_kernels(draft_model, target_model, draft_quantization, cpu_kernels)
+        release_free_memory()
+        note["detail"] = f"draft: {layer_kinds(draft_model)}; target: {layer_kinds(target_model)}"
     return draft_model, target_model, tokenizer
+
+
+def layer_kinds(model) -> str:
+    """What computes a model's linear layers and attention, e.g. "169 DynamicQuantizedLinear, sdpa"."""
+    from collections import Counter
+
+    kinds = Counter(m._get_name() for m in model.modules() if hasattr(m, "in_features") and hasattr(m, "out_features"))
+    linears = ", ".join(f"{count} {kind}" for kind, count in kinds.most_common())
+    return f"{linears or 'no linear layers'}, attention {model.config._attn_implementation}"
 
 
 def apply_cpu_kernels(draft_model, target_model, draft_quantization: str = "none", cpu_kernels: bool = True) -> bool:
@@ -534,6 +555,16 @@ def _file_mappings() -> list[tuple[int, int]] | None:
 
 
 MADV_DONTNEED = 4
+
+
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim). Tensors below malloc's mmap
+    threshold live in its heap arenas, and freeing them (a quantized layer's float weight) would otherwise leave
+    their pages resident. Elsewhere than glibc, nothing."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _release_pages(address: int, length: int) -> None:

@@ -134,7 +134,7 @@ class ReadyForm:
         """The form's tensors, if it exists, was made under this key, holds exactly `expected` (name: (shape,
         dtype)) and every tensor matches its hash; else None, with one log line saying why it is not used."""
         if not self.path.is_file():
-            logger.info("no ready form at %s yet; building it", self.path)
+            logger.debug("no ready form at %s yet", self.path)
             return None
         try:
             header, _ = read_header(self.path)
@@ -178,5 +178,5 @@ class ReadyForm:
         except BaseException:
             Path(temporary).unlink(missing_ok=True)
             raise
-        logger.info("saved the ready form %s (%.2f GB) in %.1f s", self.path, self.path.stat().st_size / 1e9,
-                    time.perf_counter() - started)
+        logger.debug("saved the ready form %s (%.2f GB) in %.1f s", self.path, self.path.stat().st_size / 1e9,
+                     time.perf_counter() - started)

@@ -54,7 +54,7 @@ def use_gqa_attention(model) -> bool:
     AttentionInterface.register(GQA_ATTENTION, gqa_sdpa_forward)  # idempotent: a named entry in the registry
     AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)  # the same masks as sdpa
     model.set_attn_implementation(GQA_ATTENTION)
-    logger.info("grouped-query attention without repeated heads for %s", type(model).__name__)
+    logger.debug("grouped-query attention without repeated heads for %s", type(model).__name__)
     return True
 
 

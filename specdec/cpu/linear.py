@@ -27,6 +27,7 @@ import logging
 import platform
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -36,6 +37,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 PACK_BATCH_HINT = 5  # typical verification width: gamma + 1
+PACK_THREADS = 2  # int8 layers packed side by side when a draft is built from its kept form
 FEW_ROWS_SOURCE = Path(__file__).resolve().parent / "csrc" / "few_rows_linear.cpp"
 FEW_ROWS_MAX = 16  # the kernel reads the weight once per 8 rows; beyond 16 rows (prefill) the library's GEMM wins
 
@@ -63,11 +65,13 @@ def few_rows_kernel() -> bool:
 
 def build_kernel(source: Path) -> bool:
     """Compile and load a C++ operator library with torch's JIT extension builder (cached by torch under
-    ~/.cache/torch_extensions, one build per source and CPU). False, with one warning, if it cannot be built
+    ~/.cache/torch_extensions, one build per source file, its path and CPU). False, with one warning, if it cannot be built
     (no compiler or ninja): callers then fall back to oneDNN packing."""
     from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha256(source.read_bytes() + _cpu_signature().encode()).hexdigest()[:12]
+    # the build folder is named by what the build depends on, the source's path included: torch's builder
+    # rebuilds whenever its build file changes, so two checkouts sharing one name would rebuild at each other's start
+    digest = hashlib.sha256(source.read_bytes() + _cpu_signature().encode() + str(source).encode()).hexdigest()[:12]
     started = time.perf_counter()
     try:
         load(f"specdec_{source.stem}_{digest}", sources=[str(source)], is_python_module=False,
@@ -76,7 +80,9 @@ def build_kernel(source: Path) -> bool:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         logger.warning("the CPU kernel %s could not be built (%s); using oneDNN-packed weights", source.name, reason)
         return False
-    logger.info("CPU kernel %s ready in %.1f s", source.name, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    # a build takes a while and says so; loading the one built before is part of the start-up's kernel step
+    logger.log(logging.INFO if seconds > 1 else logging.DEBUG, "CPU kernel %s ready in %.1f s", source.name, seconds)
     return True
 
 
@@ -158,7 +164,7 @@ def pack_linears(model: nn.Module, few_rows: bool = True) -> int:
             if linear.weight.is_contiguous() and (linear.bias is None or linear.bias.is_contiguous()):
                 setattr(parent, name, FewRowsLinear(linear))
                 count += 1
-        logger.info("%d linear layers of %s use the few-rows kernel", count, type(model).__name__)
+        logger.debug("%d linear layers of %s use the few-rows kernel", count, type(model).__name__)
         return count
     if not packing_supported():
         return 0
@@ -167,7 +173,7 @@ def pack_linears(model: nn.Module, few_rows: bool = True) -> int:
         uses[id(param)] = uses.get(id(param), 0) + 1
     for parent, name, linear in candidates:
         setattr(parent, name, PackedLinear(linear, tied=uses[id(linear.weight)] > 1))
-    logger.info("packed %d linear layers of %s for multi-token CPU forwards", len(candidates), type(model).__name__)
+    logger.debug("packed %d linear layers of %s for multi-token CPU forwards", len(candidates), type(model).__name__)
     return len(candidates)
 
 
@@ -211,7 +217,7 @@ def quantize_linears(model: nn.Module) -> int:
             linear = getattr(parent, name)
             linear.qconfig = per_channel_dynamic_qconfig
             setattr(parent, name, DynamicQuantizedLinear.from_float(linear))
-    logger.info("quantized %d linear layers of %s to int8 (dynamic)", len(layers), type(model).__name__)
+    logger.debug("quantized %d linear layers of %s to int8 (dynamic)", len(layers), type(model).__name__)
     return len(layers)
 
 
@@ -291,26 +297,37 @@ def load_quantized(model: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
     tensors.clear()
     if result.unexpected_keys:
         raise ValueError(f"tensors this model does not have: {result.unexpected_keys[:3]}")
-    layers = _named_linears(model, nn.Linear)
+    jobs = []
+    for parent, name, prefix, linear in _named_linears(model, nn.Linear):
+        try:
+            weight = (parts.pop(f"{prefix}.int8_weight"), parts.pop(f"{prefix}.int8_scales"),
+                      parts.pop(f"{prefix}.int8_zero_points"))
+        except KeyError:
+            raise ValueError(f"no int8 form of the layer {prefix}") from None
+        jobs.append({"parent": parent, "name": name, "in": linear.in_features, "out": linear.out_features,
+                     "weight": weight, "bias": parts.pop(f"{prefix}.int8_bias", None)})
+    if parts:
+        raise ValueError(f"int8 layers this model does not have: {sorted(parts)[:3]}")
+
+    def build(job: dict) -> None:
+        # a 1x1 placeholder: the constructor packs a zero weight of its full size, which takes as long as
+        # packing the real one (seconds for a vocabulary-sized output layer), only to throw it away
+        bias = job.pop("bias")
+        layer = DynamicQuantizedLinear(1, 1, bias_=bias is not None, dtype=torch.qint8)
+        layer.in_features, layer.out_features = job["in"], job["out"]
+        layer.set_weight_bias(torch._make_per_channel_quantized_tensor(*job.pop("weight"), 0), bias)
+        job["layer"] = layer  # the int8 values above are freed as soon as they are packed
+
+    jobs.sort(key=lambda job: -job["in"] * job["out"])  # the largest first, so the others fill in beside it
     with warnings.catch_warnings():  # torch.ao's eager quantization warns that torchao will replace it
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", UserWarning)
-        for parent, name, prefix, linear in layers:
-            try:
-                weight = torch._make_per_channel_quantized_tensor(
-                    parts.pop(f"{prefix}.int8_weight"), parts.pop(f"{prefix}.int8_scales"),
-                    parts.pop(f"{prefix}.int8_zero_points"), 0)
-            except KeyError:
-                raise ValueError(f"no int8 form of the layer {prefix}") from None
-            bias = parts.pop(f"{prefix}.int8_bias", None)
-            layer = DynamicQuantizedLinear(linear.in_features, linear.out_features, bias_=bias is not None,
-                                           dtype=torch.qint8)
-            layer.set_weight_bias(weight, bias)
-            setattr(parent, name, layer)
-    if parts:
-        raise ValueError(f"int8 layers this model does not have: {sorted(parts)[:3]}")
+        with ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="specdec-pack") as pool:  # packing frees the GIL
+            list(pool.map(build, jobs))
+    for job in jobs:
+        setattr(job["parent"], job["name"], job.pop("layer"))
     on_meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]
     if on_meta:
         raise ValueError(f"tensors missing for this model: {on_meta[:3]}")
-    logger.info("built %d int8 linear layers of %s from their kept form", len(layers), type(model).__name__)
-    return len(layers)
+    logger.debug("built %d int8 linear layers of %s from their kept form", len(jobs), type(model).__name__)
+    return len(jobs)

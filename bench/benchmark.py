@@ -16,7 +16,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -306,6 +308,15 @@ def markdown(report: dict) -> str:
              f"Models: draft `{report['draft']}` (ours: quantization {report.get('draft_quantization', 'none')}), "
              f"target `{report['target']}`; {report['prompts']} prompts, "
              f"max_new_tokens {report['max_new_tokens']}, repeats {report['repeats']}, gamma {report['gamma']}.", ""]
+    startup = report.get("startup")
+    if startup:
+        gb = 1e9
+        lines += [f"Start-up (a fresh process, `{startup['command_line']}`): load_pair "
+                  f"{startup['load_pair_seconds']:.1f} s, ready after the warm-up {startup['ready_seconds']:.1f} s; "
+                  f"resident memory {startup['steady_rss'] / gb:.2f} GB steady "
+                  f"({startup['steady_over_weights']:.2f}x the {startup['weights_bytes'] / gb:.2f} GB of weights as "
+                  f"used), {startup['peak_rss'] / gb:.2f} GB at the peak ({startup['peak_over_steady']:.2f}x steady).",
+                  ""]
     for kernels, block in report.get("verification_cost", {}).items():
         lines.append(f"Target forward over n new tokens ({kernels} kernels, {block['context']} cached): "
                      + ", ".join(f"n={n}: {fmt(ms, '.0f')} ms ({fmt(block['relative'][n])}x)"
@@ -397,6 +408,20 @@ def plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def startup_profile(args) -> dict:
+    """load_pair and the service's warm-up in a fresh process (bench/startup.py): load seconds, the weights'
+    bytes, steady and peak resident memory, and each step's seconds. The benchmark's own process holds more (the
+    stock pair for Hugging Face's baselines and our copies), so its memory says nothing about a start."""
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "startup.json"
+        command = [sys.executable, "-m", "bench.startup", "--json", str(out), "--device", args.device,
+                   "--dtype", args.dtype, "--draft-quantization", args.draft_quantization]
+        command += [flag for name, flag in (("draft", "--draft"), ("target", "--target")) if getattr(args, name)
+                    for flag in (flag, getattr(args, name))]
+        subprocess.run(command, check=True, cwd=Path(__file__).resolve().parent.parent, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.benchmark", description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default=None, help="draft model (default: the default pair)")
@@ -416,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="our methods' draft, as load_pair gives it (HF baselines always use the stock draft)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--no-startup", dest="startup", action="store_false",
+                        help="skip the start-up profile (load time and resident memory, in a fresh process)")
     return parser
 
 
@@ -425,6 +452,7 @@ def main(argv=None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     sweep_gammas = [int(g) for g in args.sweep_gammas.split(",") if g]
     prompts = load_prompts(args.prompts, args.limit)
+    startup = startup_profile(args) if args.startup else None  # first, while nothing else is resident
     draft, target, tokenizer = load_pair(args.draft, args.target, device=args.device, dtype=args.dtype,
                                          cpu_kernels=False, draft_quantization="none")  # stock, for HF
     encoded = [encode(tokenizer, item) for item in prompts]
@@ -464,7 +492,8 @@ def main(argv=None) -> int:
               "machine": machine_info(), "draft": args.draft or "default", "target": args.target or "default",
               "draft_quantization": args.draft_quantization,
               "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-              "gamma": args.gamma, "verification_cost": cost, "summary": summarise(runs, args.gamma), "runs": runs}
+              "gamma": args.gamma, "startup": startup, "verification_cost": cost,
+              "summary": summarise(runs, args.gamma), "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

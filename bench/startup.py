@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-GIB = 1 << 30
+GB = 1e9
 
 
 def memory() -> dict:
@@ -26,6 +26,13 @@ def memory() -> dict:
     with open("/proc/self/status") as status:
         fields = dict(line.split(":", 1) for line in status)
     return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM", "RssAnon", "RssFile")}
+
+
+def cpu_seconds() -> float:
+    """CPU time of the whole process (all threads, user and system): the work, where wall time also counts
+    waiting for a CPU on a busy machine."""
+    times = os.times()
+    return times.user + times.system
 
 
 def reset_peak() -> None:
@@ -58,14 +65,14 @@ class StepRecorder(logging.Handler):
     def __init__(self):
         super().__init__(logging.INFO)
         self.rows: list[dict] = []
-        self.last = time.perf_counter()
+        self.last, self.last_cpu = time.perf_counter(), cpu_seconds()
         reset_peak()
 
     def mark(self, step: str) -> None:
-        now, mem = time.perf_counter(), memory()
-        self.rows.append({"step": step, "seconds": now - self.last, "rss": mem["VmRSS"], "peak": mem["VmHWM"],
-                          "anon": mem["RssAnon"], "file": mem["RssFile"]})
-        self.last = now
+        now, cpu, mem = time.perf_counter(), cpu_seconds(), memory()
+        self.rows.append({"step": step, "seconds": now - self.last, "cpu_seconds": cpu - self.last_cpu,
+                          "rss": mem["VmRSS"], "peak": mem["VmHWM"], "anon": mem["RssAnon"], "file": mem["RssFile"]})
+        self.last, self.last_cpu = now, cpu
         reset_peak()
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -127,18 +134,21 @@ def main(argv=None) -> int:
     steady = memory()["VmRSS"]
     # clear_refs resets ru_maxrss too: the peak is the highest of the steps' peaks
     peak = max([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024] + [row["peak"] for row in recorder.rows])
-    report = {"command": " ".join([sys.executable, *sys.argv]), "cold": args.cold, "evicted_bytes": evicted,
+    load = os.getloadavg()[0]
+    report = {"command_line": " ".join(["python -m bench.startup", *(argv if argv is not None else sys.argv[1:])]),
+              "load_average_1min": load, "cold": args.cold, "evicted_bytes": evicted,
               "torch_threads": torch.get_num_threads(), "load_pair_seconds": load_seconds,
               "ready_seconds": total_seconds, "weights_bytes": weights, "steady_rss": steady, "peak_rss": peak,
               "steady_over_weights": steady / weights, "peak_over_steady": peak / steady, "steps": recorder.rows}
-    print("| step | s | RSS after (GiB) | peak during (GiB) | anon | file |")
-    print("|---|---|---|---|---|---|")
+    print("| step (the log line that ends it) | s | CPU s | RSS after (GB) | peak during (GB) | anon | file |")
+    print("|---|---|---|---|---|---|---|")
     for row in recorder.rows:
-        print(f"| {row['step'][:90]} | {row['seconds']:.2f} | {row['rss'] / GIB:.2f} | {row['peak'] / GIB:.2f} "
-              f"| {row['anon'] / GIB:.2f} | {row['file'] / GIB:.2f} |")
+        print(f"| {row['step'][:100]} | {row['seconds']:.2f} | {row['cpu_seconds']:.2f} | {row['rss'] / GB:.2f} "
+              f"| {row['peak'] / GB:.2f} | {row['anon'] / GB:.2f} | {row['file'] / GB:.2f} |")
     print(f"\nload_pair {load_seconds:.1f} s, ready (warm-up included) {total_seconds:.1f} s; weights as used "
-          f"{weights / GIB:.2f} GiB; steady RSS {steady / GIB:.2f} GiB ({steady / weights:.2f}x weights); peak "
-          f"{peak / GIB:.2f} GiB ({peak / steady:.2f}x steady)")
+          f"{weights / GB:.2f} GB; steady RSS {steady / GB:.2f} GB ({steady / weights:.2f}x weights); peak "
+          f"{peak / GB:.2f} GB ({peak / steady:.2f}x steady); 1-minute load average {load:.1f} on "
+          f"{os.cpu_count()} CPUs")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -291,9 +291,13 @@ def load_draft(source: ModelSource, device: torch.device, dtype: torch.dtype, dr
             note["detail"] = f"none usable in {form.path}: building it" if tensors is None else \
                 f"{_bytes(tensors.values()) / 1e9:.2f} GB, verified, from {form.path}"
         if tensors is not None:
-            with startup_step("built the int8 draft") as note:
-                note["detail"] = f"{load_quantized(skeleton, tensors)} int8 linear layers packed"
-            return _finish(skeleton, source)
+            try:
+                with startup_step("built the int8 draft") as note:
+                    note["detail"] = f"{load_quantized(skeleton, tensors)} int8 linear layers packed"
+                return _finish(skeleton, source)
+            except (ValueError, RuntimeError) as error:  # checked, yet not this model's: build it again
+                logger.warning("the kept int8 draft %s does not fit the draft: %s; building it again", form.path,
+                               error)
     draft = load_model(source, "draft", device, dtype, None, trust_remote_code, own_memory)
     with startup_step("quantized the draft to int8") as note:
         note["detail"] = f"{quantize_linears(draft)} linear layers"

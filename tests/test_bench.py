@@ -29,6 +29,11 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     table = (out / "results.md").read_text()
     assert "| google |" in table and "| hf_assisted |" in table and report["machine"]["torch"]
     assert "| hf_assisted_own_memory |" in table and "vs HF assisted, own memory" in table
+    startup = report["startup"]  # measured in a process of its own
+    assert 0 < startup["load_pair_seconds"] <= startup["ready_seconds"]
+    assert 0 < startup["weights_bytes"] < startup["steady_rss"] <= startup["peak_rss"]
+    assert any(row["step"].startswith("start-up: read the target's weights") for row in startup["steps"])
+    assert "Start-up (a fresh process, `python -m bench.startup" in table and "x the " in table
     for mode in ("greedy", "sampling"):
         block = report["summary"][mode]
         assert set(block["methods"]) == set(bench.OUR_METHODS + bench.HF_METHODS)

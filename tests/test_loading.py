@@ -1,6 +1,7 @@
 """Model loading: sources (folder, GGUF file, hub id, alias), device and dtype, and the pair's tokenizer check."""
 
 import os
+import re
 import shutil
 
 import gguf
@@ -328,3 +329,28 @@ def test_use_own_memory_copies_mapped_weights_one_by_one_bitwise_and_keeps_ties(
     assert model.lm_head.weight is model.get_input_embeddings().weight
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, expected)
+
+
+def test_the_start_up_log_reports_its_steps_with_seconds(tiny_pair_dirs, caplog):
+    caplog.set_level("INFO", logger="specdec")
+    load_pair(*tiny_pair_dirs, device="cpu")
+    steps = [m.group(1) for m in (re.match(r"start-up: (.+) in (\d+\.\d\d) s( \(.+\))?$", r.getMessage())
+                                  for r in caplog.records if r.getMessage().startswith("start-up: ")) if m]
+    assert len(steps) == sum(r.getMessage().startswith("start-up: ") for r in caplog.records)  # all say seconds
+    expected = ["checked the model sources", "loaded the target's tokenizer",
+                "compared the draft's tokenizer files with the target's", "read the draft's weights into the "
+                "process's memory", "built the draft model", "quantized the draft to int8",
+                "read the target's weights into the process's memory", "built the target model", "CPU kernels for the pair"]
+    assert steps == expected  # a folder outside the cache: the draft is quantized, not kept
+
+
+def test_a_draft_with_other_tokenizer_files_is_loaded_and_checked(tiny_pair_dirs, tmp_path, caplog):
+    draft_dir, target_dir = tiny_pair_dirs
+    draft = copy_model(draft_dir, tmp_path / "draft")
+    with open(os.path.join(draft, "tokenizer_config.json"), "a") as config:
+        config.write("\n")  # the same tokenizer, other bytes
+    assert not loading.same_tokenizer_files(ModelSource(draft), ModelSource(target_dir))
+    assert loading.same_tokenizer_files(ModelSource(draft_dir), ModelSource(target_dir))
+    caplog.set_level("INFO", logger="specdec")
+    load_pair(draft, target_dir, device="cpu")
+    assert any(r.getMessage().startswith("start-up: loaded the draft's tokenizer and checked it") for r in caplog.records)

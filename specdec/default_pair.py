@@ -318,6 +318,12 @@ def main(argv=None) -> int:
             if args.command == "prepare":
                 folder = prepare_model(source, force=args.force)
                 print(f"{source.role}: {folder} ready")
+                if source is DRAFT:
+                    from .loading import ModelSource, keep_int8_draft
+
+                    kept = keep_int8_draft(ModelSource(str(folder)))
+                    if kept:
+                        print(f"draft: its int8 form kept in {kept}")
             elif not is_ready(folder, source):
                 print(f"{source.role}: {folder} not prepared")
             else:

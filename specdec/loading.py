@@ -312,6 +312,20 @@ def load_draft(source: ModelSource, device: torch.device, dtype: torch.dtype, dr
     return draft
 
 
+def keep_int8_draft(source: ModelSource) -> str | None:
+    """Where the int8 draft of a folder in the cache is kept, built first unless a current one is there already
+    (`make models` runs this, so that the first start does not quantize); None where no form is kept."""
+    from .cpu.linear import quantization_supported
+
+    form = int8_draft_form(source)
+    if form is None or not quantization_supported():
+        return None
+    if not form.looks_current():
+        load_draft(source, torch.device("cpu"), torch.float32, "int8")
+        release_free_memory()
+    return str(form.path)
+
+
 def _skeleton(config, dtype: torch.dtype):
     """The model with its parameters on the meta device (nothing allocated) and its buffers computed on CPU."""
     from accelerate import init_empty_weights

@@ -130,6 +130,16 @@ class ReadyForm:
         self.path = Path(path)
         self.key = json.loads(json.dumps(key, sort_keys=True))  # as it reads back from the header
 
+    def looks_current(self) -> bool:
+        """Whether the form exists, is whole and was made under this key: the cheap part of `load`'s checks (no
+        tensor is read or hashed)."""
+        try:
+            header, _ = read_header(self.path)
+            record = json.loads(header.get("__metadata__", {}).get(READY_METADATA, "null"))
+        except (WeightsError, OSError, ValueError, AttributeError):
+            return False
+        return isinstance(record, dict) and record.get("key") == self.key
+
     def load(self, expected: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor] | None:
         """The form's tensors, if it exists, was made under this key, holds exactly `expected` (name: (shape,
         dtype)) and every tensor matches its hash; else None, with one log line saying why it is not used."""

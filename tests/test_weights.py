@@ -199,3 +199,14 @@ def test_the_form_records_its_key_and_a_hash_per_tensor(draft):
     assert sorted(record["sha256"]) == sorted(tensors)
     assert all(re.fullmatch("[0-9a-f]{64}", digest) for digest in record["sha256"].values())
     assert not any(name.startswith(".") for name in os.listdir(form.path.parent))  # no temporary file left
+
+
+def test_make_models_keeps_the_int8_draft_once(draft, quantizations, tmp_path):
+    path = loading.keep_int8_draft(draft)  # what `python -m specdec.default_pair prepare` runs
+    assert path == str(form_of(draft).path) and form_of(draft).looks_current()
+    assert loading.keep_int8_draft(draft) == path and len(quantizations) == 1  # current: left alone, not read
+    os.truncate(path, 100)
+    assert not form_of(draft).looks_current()
+    loading.keep_int8_draft(draft)
+    assert len(quantizations) == 2 and form_of(draft).looks_current()
+    assert loading.keep_int8_draft(ModelSource(str(tmp_path))) is None  # outside the cache: nothing kept

@@ -16,8 +16,10 @@ import os
 import platform
 import re
 import socket
+import threading
 import time
 import urllib.parse
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,22 +178,27 @@ def startup_step(what: str):
     note: dict = {}
     started = time.perf_counter()
     yield note
-    detail = f" ({note['detail']})" if note.get("detail") else ""
-    logger.info("start-up: %s in %.2f s%s", what, time.perf_counter() - started, detail)
+    log_step(what, time.perf_counter() - started, note.get("detail"))
+
+
+def log_step(what: str, seconds: float, detail: str | None = None) -> None:
+    """One start-up step's line (see `startup_step`)."""
+    logger.info("start-up: %s in %.2f s%s", what, seconds, f" ({detail})" if detail else "")
 
 
 def load_model(source: ModelSource, role: str, device: torch.device, dtype: torch.dtype, device_map=None,
-               trust_remote_code: bool = False, own_memory: bool = False):
+               trust_remote_code: bool = False, own_memory: bool = False, pending: "PendingWeights | None" = None):
     """A causal LM in eval mode on `device` (or spread by accelerate's `device_map`) in `dtype`.
 
     `own_memory`: on CPU, read a local safetensors checkpoint straight into the process's memory, tensor by
-    tensor (`read_weights`), instead of leaving it memory-mapped as `from_pretrained` does. On CUDA the weights
-    go from the file to the GPU once, in `dtype`, with no copy in the process's memory.
+    tensor (`weights.read_safetensors`), instead of leaving it memory-mapped as `from_pretrained` does; `pending`:
+    that reading, started earlier (`read_soon`). On CUDA the weights go from the file to the GPU once, in
+    `dtype`, with no copy in the process's memory.
     """
     from transformers import AutoModelForCausalLM
 
-    if own_memory and device.type == "cpu" and device_map is None:
-        model = _load_into_own_memory(source, role, dtype, trust_remote_code)
+    if (own_memory and device.type == "cpu" and device_map is None) or pending is not None:
+        model = _load_into_own_memory(source, role, dtype, trust_remote_code, pending)
         if model is not None:
             return model
     kwargs = _pretrained_kwargs(source, trust_remote_code)
@@ -241,22 +248,69 @@ def _finish(model, source: ModelSource):
     return model.eval()
 
 
-def _load_into_own_memory(source: ModelSource, role: str, dtype: torch.dtype, trust_remote_code: bool):
-    """`load_model` for a local safetensors folder on CPU: each tensor read once, straight into the process's
-    memory, and handed to the model as it is (no copy). None where that does not apply."""
-    from .weights import WeightsError, checkpoint_files, read_safetensors
+@dataclass
+class PendingWeights:
+    """A local safetensors checkpoint being read into the process's memory in the background (`read_soon`)."""
+
+    config: object
+    model_class: type
+    future: Future
+    cancel: threading.Event
+
+    def result(self) -> tuple[dict, float]:
+        """(name: tensor, the seconds the reading took), once it is done."""
+        return self.future.result()
+
+    def drop(self) -> None:
+        """Stop reading (at the next tensor) and let the tensors go."""
+        self.cancel.set()
+        self.future.cancel()
+
+
+def read_soon(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool = False) -> PendingWeights | None:
+    """Start reading a local safetensors folder's weights into the process's memory, in a background thread; None
+    where `load_model` could not use them (not a local folder transformers implements)."""
+    from .weights import checkpoint_files, read_safetensors
 
     config, model_class = _causal_lm_class(source, trust_remote_code)
     if model_class is None:
         return None
+    cancel = threading.Event()
+
+    def read():
+        started = time.perf_counter()
+        state = {}
+        for path in checkpoint_files(source.path):
+            state.update(read_safetensors(path, dtype=dtype, cancel=cancel))
+        return state, time.perf_counter() - started
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="specdec-weights")
+    future = pool.submit(read)
+    pool.shutdown(wait=False)  # its thread ends with the reading; nothing waits for it here
+    return PendingWeights(config, model_class, future, cancel)
+
+
+def _load_into_own_memory(source: ModelSource, role: str, dtype: torch.dtype, trust_remote_code: bool,
+                          pending: PendingWeights | None = None):
+    """`load_model` for a local safetensors folder on CPU: each tensor read once, straight into the process's
+    memory, and handed to the model as it is (no copy). None where that does not apply."""
+    from .weights import WeightsError
+
     try:
-        with startup_step(f"read the {role}'s weights into the process's memory") as note:
-            state = {}
-            for path in checkpoint_files(source.path):
-                state.update(read_safetensors(path, dtype=dtype))
-            note["detail"] = f"{_bytes(state.values()) / 1e9:.2f} GB, {len(state)} tensors, from {source}"
+        if pending is None:
+            pending = read_soon(source, dtype, trust_remote_code)
+            if pending is None:
+                return None
+            state, seconds = pending.result()
+            beside = ""
+        else:
+            waited = time.perf_counter()
+            state, seconds = pending.result()
+            beside = f"beside the draft, waited {time.perf_counter() - waited:.2f} s for it; "
+        log_step(f"read the {role}'s weights into the process's memory", seconds,
+                 f"{beside}{_bytes(state.values()) / 1e9:.2f} GB, {len(state)} tensors, from {source}")
         with startup_step(f"built the {role} model"):
-            model = model_class.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
+            model = pending.model_class.from_pretrained(None, config=pending.config, state_dict=state, dtype=dtype)
             del state  # the model holds the only references: no tensor was copied
     except (OSError, ValueError, KeyError, RuntimeError, WeightsError) as error:
         raise _unreachable(source, role, "model", error) from None
@@ -461,9 +515,18 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     if tokenizer is None:
         raise SpecDecError(f"neither {target_source} nor {draft_source} has a tokenizer", field="target_model")
 
-    # the draft first: a float draft quantized at start-up is int8 again before the target's weights arrive
-    draft_model = load_draft(draft_source, device, dtype, draft_quantization, trust_remote_code, cpu_kernels)
-    target_model = load_model(target_source, "target", device, dtype, device_map, trust_remote_code, cpu_kernels)
+    # the target's weights start coming in while the draft is prepared: reading waits on the disk and on fresh
+    # memory, the draft on packing its int8 layers
+    pending = read_soon(target_source, dtype, trust_remote_code) \
+        if cpu_kernels and device.type == "cpu" and device_map is None else None
+    try:
+        draft_model = load_draft(draft_source, device, dtype, draft_quantization, trust_remote_code, cpu_kernels)
+    except BaseException:
+        if pending is not None:
+            pending.drop()
+        raise
+    target_model = load_model(target_source, "target", device, dtype, device_map, trust_remote_code, cpu_kernels,
+                              pending)
     check_vocabularies(draft_model, target_model, tokenizer)
     vocab_size = target_model.config.get_text_config(decoder=True).vocab_size
     if len(tokenizer) > vocab_size:

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,10 +65,10 @@ def _read_into(fd: int, tensor: torch.Tensor, offset: int) -> memoryview:
 
 
 def read_safetensors(path, dtype: torch.dtype | None = None, digests: dict[str, str] | None = None,
-                     threads: int = READ_THREADS) -> dict[str, torch.Tensor]:
+                     threads: int = READ_THREADS, cancel: threading.Event | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file, in the process's own memory (floating-point ones cast to `dtype` if
     given, one tensor at a time). With `digests` (name: sha256 hex), each tensor is hashed as it is read and a
-    mismatch, or a tensor without a digest, is a WeightsError."""
+    mismatch, or a tensor without a digest, is a WeightsError. Setting `cancel` stops the reading (WeightsError)."""
     path = Path(path)
     header, data_start = read_header(path)
     entries = sorted(((name, entry) for name, entry in header.items() if name != "__metadata__"),
@@ -82,6 +83,8 @@ def read_safetensors(path, dtype: torch.dtype | None = None, digests: dict[str, 
     try:
         def read(item):
             name, entry = item
+            if cancel is not None and cancel.is_set():
+                raise WeightsError(f"{path.name}: reading cancelled")
             tensor = torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
             data = _read_into(fd, tensor, data_start + entry["data_offsets"][0])
             if digests is not None and hashlib.sha256(data).hexdigest() != digests[name]:

@@ -354,3 +354,13 @@ def test_a_draft_with_other_tokenizer_files_is_loaded_and_checked(tiny_pair_dirs
     caplog.set_level("INFO", logger="specdec")
     load_pair(draft, target_dir, device="cpu")
     assert any(r.getMessage().startswith("start-up: loaded the draft's tokenizer and checked it") for r in caplog.records)
+
+
+def test_a_broken_draft_checkpoint_is_one_clear_error_while_the_target_is_read_beside_it(tiny_pair_dirs, tmp_path):
+    draft_dir, target_dir = tiny_pair_dirs
+    draft = copy_model(draft_dir, tmp_path / "draft")
+    weights = os.path.join(draft, "model.safetensors")
+    os.truncate(weights, os.path.getsize(weights) // 2)
+    with pytest.raises(SpecDecError) as error:
+        load_pair(draft, target_dir, device="cpu", draft_quantization="none")
+    assert error.value.field == "draft_model" and "truncated" in str(error.value)

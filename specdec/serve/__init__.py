@@ -10,6 +10,14 @@
     openai_protocol.py  OpenAI's shapes (/v1)       openai_routes.py  the /v1 Blueprint
 """
 
-from .app import create_app
-
 __all__ = ["create_app"]
+
+
+def __getattr__(name):
+    # the application (Flask, the engine, torch) is imported when first asked for: gunicorn's config reads the
+    # settings (serve.config) in the master, and only the worker needs the rest
+    if name == "create_app":
+        from .app import create_app
+
+        return create_app
+    raise AttributeError(f"module 'specdec.serve' has no attribute {name!r}")

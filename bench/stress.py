@@ -230,6 +230,198 @@ def run_load(server: Server, clients: int = 16, seconds: float = 20.0, max_new_t
             "p50_503_ms": ms(percentile(latencies_503, 50)), "samples": samples[:10]}
 
 
+# --- slow and idle clients -------------------------------------------------------------------------------------
+
+# A request head that never ends: one byte of it per second per connection (a header too long to finish in time).
+SLOW_HEAD = (b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nX-Slow: "
+             + b"a" * 8000)
+KEEP_ALIVE_REQUEST = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+GOOD = {"prompt": "a good request", "max_new_tokens": 16, "temperature": 0}
+
+
+class Clients:
+    """`count` connections that one thread holds open against the server, each doing what `kind` says once a
+    second; a connection the server closes is opened again, so the count stays up.
+
+    - "slow_headers": sends a request head one byte a second, never finishing it;
+    - "idle": half send one keep-alive request and read its answer, then stay idle; half never send anything;
+    - "slow_readers": send a streamed /predict and read the answer one byte a second (a 503 is read, closed and
+      tried again a second later), with a small receive buffer.
+    """
+
+    def __init__(self, server: Server, count: int, kind: str, stream_body: dict | None = None):
+        self.server, self.count, self.kind = server, count, kind
+        body = json.dumps(stream_body or {"prompt": "a slow reader", "max_new_tokens": 16, "stream": True,
+                                          "details": True, "temperature": 0}).encode()
+        self.predict = (b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        self.figures = {"opened": 0, "closed_by_server": 0, "connect_errors": 0, "streams_started": 0,
+                        "busy_503": 0, "bytes_read": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"clients-{kind}", daemon=True)
+        self._conns: list[dict | None] = [None] * count
+
+    def start(self) -> "Clients":
+        self._thread.start()
+        return self
+
+    def wait_until_open(self, timeout: float) -> bool:
+        """Whether all `count` connections are open (slow readers: each with its answer started) by `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.established() >= self.count:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def established(self) -> int:
+        return sum(1 for conn in list(self._conns) if conn is not None and conn["state"] in ("open", "reading"))
+
+    def stop(self) -> dict:
+        """Close every connection; the figures."""
+        self._stop.set()
+        self._thread.join(30)
+        for conn in self._conns:
+            if conn is not None:
+                conn["sock"].close()
+        return dict(self.figures, connections=self.count, kind=self.kind)
+
+    def _open(self, i: int) -> None:
+        sock = socket.socket()
+        if self.kind == "slow_readers":
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        sock.settimeout(5)
+        try:
+            sock.connect(("127.0.0.1", self.server.port))
+        except OSError:
+            sock.close()
+            self.figures["connect_errors"] += 1
+            self._conns[i] = None
+            return
+        sock.setblocking(False)
+        self.figures["opened"] += 1
+        conn = {"sock": sock, "state": "open", "sent": 0, "head": b""}
+        if self.kind == "idle" and i % 2 == 0 or self.kind == "slow_readers":
+            sock.sendall(KEEP_ALIVE_REQUEST if self.kind == "idle" else self.predict)
+            conn["state"] = "answering" if self.kind == "slow_readers" else "open"
+        self._conns[i] = conn
+
+    def _tick(self, i: int) -> None:
+        conn = self._conns[i]
+        if conn is None:
+            return self._open(i)
+        sock = conn["sock"]
+        try:
+            if self.kind == "slow_headers":
+                if conn["sent"] < len(SLOW_HEAD):
+                    sock.send(SLOW_HEAD[conn["sent"]:conn["sent"] + 1])
+                    conn["sent"] += 1
+                data = sock.recv(65536)  # anything at all (an error answer, or the end) means the server gave up
+            elif self.kind == "idle":
+                data = sock.recv(65536)  # the keep-alive answer, then nothing until the server closes
+                if data:
+                    self.figures["bytes_read"] += len(data)
+                    return
+            elif conn["state"] == "answering":  # a slow reader waits for its status line, read at once
+                conn["head"] += sock.recv(12 - len(conn["head"]))
+                if len(conn["head"]) < 12:
+                    return
+                if conn["head"].startswith(b"HTTP/1.1 503"):
+                    self.figures["busy_503"] += 1
+                    sock.close()
+                    self._conns[i] = None
+                    return
+                self.figures["streams_started"] += 1
+                conn["state"] = "reading"
+                return
+            else:
+                data = sock.recv(1)
+                if data:
+                    self.figures["bytes_read"] += 1
+                    return
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        self.figures["closed_by_server"] += 1
+        sock.close()
+        self._open(i)
+
+    def _run(self) -> None:
+        for i in range(self.count):
+            self._open(i)
+        while not self._stop.is_set():
+            start = time.monotonic()
+            for i in range(self.count):
+                if self._stop.is_set():
+                    break
+                self._tick(i)
+            self._stop.wait(max(0.0, 1.0 - (time.monotonic() - start)))
+
+
+def probe(server: Server, seconds: float, good: dict = GOOD) -> dict:
+    """For `seconds`: a good /predict at a time, each on a new connection, and meanwhile /healthz every 0.2 s.
+
+    Each good request's latency beyond its own decoding (the engine's total_seconds) and each /healthz latency;
+    a request that fails or times out counts against the server."""
+    end = time.monotonic() + seconds
+    health: list[float] = []
+    extra: list[float] = []
+    failures: list[str] = []
+
+    def healthz():
+        while time.monotonic() < end:
+            start = time.perf_counter()
+            try:
+                status = requests.get(server.url + "/healthz", timeout=5).status_code
+            except requests.RequestException as error:
+                status = repr(error)
+            health.append(time.perf_counter() - start)
+            if status != 200:
+                failures.append(f"/healthz: {status}")
+            time.sleep(0.2)
+
+    checker = threading.Thread(target=healthz, daemon=True)
+    checker.start()
+    while time.monotonic() < end:
+        start = time.perf_counter()
+        try:
+            response = requests.post(server.url + "/predict", json=good, timeout=15)
+        except requests.RequestException as error:
+            failures.append(f"/predict: {error!r}")
+            extra.append(time.perf_counter() - start)
+            continue
+        took = time.perf_counter() - start
+        if response.status_code != 200:
+            failures.append(f"/predict: {response.status_code} {response.text[:200]}")
+            extra.append(took)
+            continue
+        extra.append(took - response.json()["stats"]["total_seconds"])
+        time.sleep(0.2)
+    checker.join(10)
+    return {"good_requests": len(extra), "good_extra_max_s": round(max(extra), 3) if extra else None,
+            "healthz_requests": len(health), "healthz_max_s": round(max(health), 3) if health else None,
+            "failures": len(failures), "samples": failures[:5]}
+
+
+def run_slow_clients(server: Server, kind: str, count: int, seconds: float = 10.0, setup_timeout: float = 60.0,
+                     **options) -> dict:
+    """`count` clients of `kind` (see Clients) against the server, and meanwhile `probe` for `seconds`."""
+    clients = Clients(server, count, kind, **options).start()
+    try:
+        started = time.monotonic()
+        opened = clients.wait_until_open(setup_timeout)
+        setup = time.monotonic() - started
+        figures = probe(server, seconds)
+        held = clients.established()
+    finally:
+        totals = clients.stop()
+    figures.update(totals, all_open=opened, setup_seconds=round(setup, 1), open_at_end=held)
+    figures["ok"] = (opened and figures["failures"] == 0 and figures["good_extra_max_s"] is not None
+                     and figures["good_extra_max_s"] <= 2.0 and figures["healthz_max_s"] <= 1.0)
+    return figures
+
+
 # --- faults ----------------------------------------------------------------------------------------------------
 
 def _engine_free_and_serving(server: Server) -> bool:

@@ -88,9 +88,9 @@ class Server:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()[-3000:]}")
             try:
-                if requests.get(self.url + "/readyz", timeout=2).status_code == 200:
+                if requests.get(self.url + "/readyz", timeout=5).status_code == 200:
                     return self
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or busy importing
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"the server was not ready within {timeout} s:\n{self.log()[-3000:]}")
@@ -240,18 +240,18 @@ GOOD = {"prompt": "a good request", "max_new_tokens": 16, "temperature": 0}
 
 
 class Clients:
-    """`count` connections that one thread holds open against the server, each doing what `kind` says once a
-    second; a connection the server closes is opened again, so the count stays up.
+    """`count` connections that one thread holds open against the server, each doing what `kind` says; a
+    connection the server closes is opened again at once, so the count stays up.
 
     - "slow_headers": sends a request head one byte a second, never finishing it;
     - "idle": half send one keep-alive request and read its answer, then stay idle; half never send anything;
-    - "slow_readers": send a streamed /predict and read the answer one byte a second (a 503 is read, closed and
-      tried again a second later), with a small receive buffer.
+    - "slow_readers": send a streamed /predict with a small receive buffer, read the status line, and then the
+      answer one byte a second (a 503 is closed and sent again).
     """
 
     def __init__(self, server: Server, count: int, kind: str, stream_body: dict | None = None):
         self.server, self.count, self.kind = server, count, kind
-        body = json.dumps(stream_body or {"prompt": "a slow reader", "max_new_tokens": 16, "stream": True,
+        body = json.dumps(stream_body or {"prompt": "a slow reader", "max_new_tokens": 4, "stream": True,
                                           "details": True, "temperature": 0}).encode()
         self.predict = (b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
@@ -298,22 +298,31 @@ class Clients:
             self.figures["connect_errors"] += 1
             self._conns[i] = None
             return
-        sock.setblocking(False)
         self.figures["opened"] += 1
-        conn = {"sock": sock, "state": "open", "sent": 0, "head": b""}
+        conn = {"sock": sock, "state": "open", "sent": 0, "head": b"", "due": time.monotonic() + 1}
         if self.kind == "idle" and i % 2 == 0 or self.kind == "slow_readers":
-            sock.sendall(KEEP_ALIVE_REQUEST if self.kind == "idle" else self.predict)
+            try:
+                sock.sendall(KEEP_ALIVE_REQUEST if self.kind == "idle" else self.predict)
+            except OSError:
+                sock.close()
+                self.figures["closed_by_server"] += 1
+                self._conns[i] = None
+                return
             conn["state"] = "answering" if self.kind == "slow_readers" else "open"
+        sock.setblocking(False)
         self._conns[i] = conn
 
-    def _tick(self, i: int) -> None:
+    def _tick(self, i: int, now: float) -> None:
         conn = self._conns[i]
         if conn is None:
             return self._open(i)
         sock = conn["sock"]
+        due = now >= conn["due"]  # one byte a second, sent or read
+        if due:
+            conn["due"] = now + 1
         try:
             if self.kind == "slow_headers":
-                if conn["sent"] < len(SLOW_HEAD):
+                if due and conn["sent"] < len(SLOW_HEAD):
                     sock.send(SLOW_HEAD[conn["sent"]:conn["sent"] + 1])
                     conn["sent"] += 1
                 data = sock.recv(65536)  # anything at all (an error answer, or the end) means the server gave up
@@ -323,18 +332,22 @@ class Clients:
                     self.figures["bytes_read"] += len(data)
                     return
             elif conn["state"] == "answering":  # a slow reader waits for its status line, read at once
-                conn["head"] += sock.recv(12 - len(conn["head"]))
-                if len(conn["head"]) < 12:
+                data = sock.recv(12 - len(conn["head"]))
+                conn["head"] += data
+                if data and len(conn["head"]) < 12:
                     return
-                if conn["head"].startswith(b"HTTP/1.1 503"):
+                if data and conn["head"].startswith(b"HTTP/1.1 503"):
                     self.figures["busy_503"] += 1
                     sock.close()
                     self._conns[i] = None
                     return
-                self.figures["streams_started"] += 1
-                conn["state"] = "reading"
-                return
+                if data:
+                    self.figures["streams_started"] += 1
+                    conn["state"] = "reading"
+                    return
             else:
+                if not due:
+                    return
                 data = sock.recv(1)
                 if data:
                     self.figures["bytes_read"] += 1
@@ -350,13 +363,10 @@ class Clients:
     def _run(self) -> None:
         for i in range(self.count):
             self._open(i)
-        while not self._stop.is_set():
-            start = time.monotonic()
+        while not self._stop.wait(0.1):
+            now = time.monotonic()
             for i in range(self.count):
-                if self._stop.is_set():
-                    break
-                self._tick(i)
-            self._stop.wait(max(0.0, 1.0 - (time.monotonic() - start)))
+                self._tick(i, now)
 
 
 def probe(server: Server, seconds: float, good: dict = GOOD) -> dict:

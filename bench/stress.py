@@ -1,10 +1,12 @@
-"""`make stress` (`python -m bench.stress`): load, faults and a soak against the service under gunicorn on
-127.0.0.1 with a tiny random pair. Prints a Markdown table of the figures and writes them as JSON.
+"""`make stress` (`python -m bench.stress`): load, faults, slow and idle clients, and a soak against the service
+under gunicorn on 127.0.0.1 with a tiny random pair. Prints a Markdown table of the figures and writes them as
+JSON.
 
 Nothing downloads: the pair is saved with the tests' tiny-model helper (tests/support/models.py) into a temporary
 folder. `faulty_pair` is the loader the server runs with: the pair, plus faults a prompt can ask for (an
 exception or an out-of-memory error inside the target's forward) and an optional delay per target forward.
-The functional versions of these checks, smaller, are in tests/test_hardening_gunicorn.py.
+The functional versions of these checks, smaller, are in tests/test_hardening_gunicorn.py and
+tests/test_slow_clients_gunicorn.py.
 """
 
 import argparse
@@ -628,6 +630,16 @@ def checks(figures: dict) -> list[tuple[str, str, str, bool]]:
         rows.append(("fault: SIGTERM during a request",
                      f"request finished {f['finished_after_signal_ms']} ms after the signal, exit {f['exit_code']}",
                      "request completes, then exit 0", f["ok"]))
+    for kind, what in (("slow_headers", "connections trickling request heads, a byte a second"),
+                       ("idle", "idle connections (half kept alive after a request, half silent)"),
+                       ("slow_readers", "clients reading a stream a byte a second")):
+        f = figures.get("slow_clients", {}).get(kind)
+        if f:
+            rows.append((f"slow clients: {f['connections']} {what}",
+                         f"good requests {f['good_extra_max_s']} s beyond decoding (max of {f['good_requests']}), "
+                         f"/healthz {f['healthz_max_s']} s (max of {f['healthz_requests']}), {f['failures']} failed; "
+                         f"{f['open_at_end']} held open, {f['closed_by_server']} dropped by the server",
+                         "<= 2 s, <= 1 s, 0 failed, all held", f["ok"]))
     soak = figures.get("soak")
     if soak:
         rows += [
@@ -651,29 +663,42 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+# the main server's limits (the time budget and SIGTERM run on a second server)
+LIMITS = {"queue_size": 4, "queue_timeout": 30, "retry_after": 1, "header_timeout": 10.0, "body_timeout": 30.0}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=20.0, help="length of the load phase")
     parser.add_argument("--soak", type=int, default=1000, help="sequential requests of the soak")
     parser.add_argument("--delay", type=float, default=0.002, help="seconds slept per target forward")
+    parser.add_argument("--slow-headers", type=int, default=256, help="connections trickling request heads")
+    parser.add_argument("--idle", type=int, default=256, help="idle connections")
+    parser.add_argument("--slow-readers", type=int, default=64, help="clients reading a stream a byte a second")
+    parser.add_argument("--slow-seconds", type=float, default=10.0, help="probing time under each kind")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "stress.json")
     args = parser.parse_args(argv)
 
     started = time.time()
     figures: dict = {"command": " ".join(["python -m bench.stress", *(argv if argv is not None else sys.argv[1:])]),
                      "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-                     "settings": {"queue_size": 4, "retry_after": 1, "forward_delay_s": args.delay}, "faults": {}}
+                     "settings": {**LIMITS, "forward_delay_s": args.delay}, "faults": {}}
     with tempfile.TemporaryDirectory(prefix="specdec-stress-") as tmp:
         folder = Path(tmp)
         pair = save_pair(folder / "pair")
-        server = start_server(folder, pair, "main", delay=args.delay, queue_size=4, queue_timeout=30,
-                              retry_after=1, log_level="info")
+        server = start_server(folder, pair, "main", delay=args.delay, log_level="info", **LIMITS)
         try:
             print(f"load: {args.clients} clients for {args.seconds:g} s ...", file=sys.stderr)
             figures["load"] = run_load(server, args.clients, args.seconds)
             print("faults ...", file=sys.stderr)
             figures["faults"].update(run_faults(server))
+            figures["slow_clients"] = {}
+            for kind, count in (("slow_headers", args.slow_headers), ("idle", args.idle),
+                                ("slow_readers", args.slow_readers)):
+                if count:
+                    print(f"slow clients: {count} {kind} for {args.slow_seconds:g} s ...", file=sys.stderr)
+                    figures["slow_clients"][kind] = run_slow_clients(server, kind, count, args.slow_seconds)
             print(f"soak: {args.soak} requests ...", file=sys.stderr)
             figures["soak"] = run_soak(server, args.soak, warmup=min(100, args.soak // 5))
         finally:

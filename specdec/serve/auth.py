@@ -23,21 +23,18 @@ REALM = 'Bearer realm="specdec"'
 
 
 class ApiKeys:
-    """The accepted keys, held only as SHA-256 digests."""
+    """The accepted keys (text, as the keys file holds them), kept only as SHA-256 digests of their UTF-8 bytes."""
 
     def __init__(self, keys):
-        self._digests = [_digest(key) for key in keys]
+        self._digests = [hashlib.sha256(key.encode("utf-8")).digest() for key in keys]
 
-    def __contains__(self, key: str) -> bool:
-        sent = _digest(key)
+    def __contains__(self, sent: bytes) -> bool:
+        """Whether `sent` (the key's bytes as they came over the wire) is one of the keys."""
+        digest = hashlib.sha256(sent).digest()
         found = False
-        for digest in self._digests:  # every key, whatever matched: the time does not depend on which
-            found |= hmac.compare_digest(sent, digest)
+        for key in self._digests:  # every key, whatever matched: the time does not depend on which, or on lengths
+            found |= hmac.compare_digest(digest, key)
         return found
-
-
-def _digest(key: str) -> bytes:
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 def install(app: Flask, settings: Settings) -> None:
@@ -60,7 +57,7 @@ def install(app: Flask, settings: Settings) -> None:
         if scheme.lower() != "bearer" or not sent:
             raise ApiError(401, "unauthorized", "this server needs an API key: send Authorization: Bearer <key>",
                            headers={"WWW-Authenticate": REALM})
-        if sent not in keys:
+        if sent.encode("latin-1", "replace") not in keys:  # WSGI gives header bytes as latin-1 text
             raise ApiError(401, "unauthorized", "the API key is not valid",
                            headers={"WWW-Authenticate": f'{REALM}, error="invalid_token"'})
 

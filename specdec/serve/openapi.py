@@ -117,13 +117,21 @@ def openapi_document(settings: Settings, served_model: str | None = None) -> dic
                    "final event with finish_reason, usage and stats)",
                    {**json_of("PredictResponse"), "text/event-stream": {"schema": SSE_EVENT}}),
         "400": _error("invalid_json: the body is not UTF-8 JSON, or not a JSON object"),
+        "408": _error(f"body_timeout: the body did not arrive within {settings.body_timeout:g} s"),
         "413": _error(f"body_too_large: the body is over {settings.max_body_bytes} bytes"),
         "415": _error("unsupported_media_type: the body is not application/json"),
         "422": _error("invalid_field or prompt_too_long; `field` names the offending field"),
         "500": _error("internal_error: an unexpected failure; the message gives the request id"),
-        "503": _error("overloaded (queue full or waited too long) or not_ready", retry_after=True),
+        "503": _error("overloaded (queue full or waited too long), not_ready, or shutting_down (the server is "
+                      "draining after SIGTERM)", retry_after=True),
     }
     openai_paths, openai_schemas = openai_document(settings, served_model)
+    metrics_responses = {"200": _ok("Prometheus text format", {"text/plain": {"schema": {"type": "string"}}})}
+    keyed = bool(settings.api_keys_file.strip())
+    if keyed:  # auth.py: every route but the open ones needs a key
+        predict_responses["401"] = _error("unauthorized: no API key, or not a valid one (`WWW-Authenticate`)")
+        if not settings.metrics_public:
+            metrics_responses["401"] = predict_responses["401"]
     return {
         "openapi": "3.0.3",
         "info": {"title": "specdec", "version": "1",
@@ -136,16 +144,18 @@ def openapi_document(settings: Settings, served_model: str | None = None) -> dic
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/PredictRequest"}}}},
                 "responses": predict_responses,
+                **({"security": [{"bearer": []}]} if keyed else {}),
             }},
             "/healthz": {"get": {"operationId": "healthz", "summary": "The process is running",
                                  "responses": {"200": _ok("alive", json_of("Health"))}}},
             "/readyz": {"get": {"operationId": "readyz", "summary": "The models are loaded",
                                 "responses": {"200": _ok("ready", json_of("Ready")),
-                                              "503": _error("not_ready: still loading, or loading failed",
+                                              "503": _error("not_ready (still loading, or loading failed) or "
+                                                            "shutting_down (draining after SIGTERM)",
                                                             retry_after=True)}}},
             "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics",
-                                 "responses": {"200": _ok("Prometheus text format",
-                                                          {"text/plain": {"schema": {"type": "string"}}})}}},
+                                 "responses": metrics_responses,
+                                 **({"security": [{"bearer": []}]} if keyed and not settings.metrics_public else {})}},
             "/openapi.json": {"get": {"operationId": "openapi", "summary": "This document",
                                       "responses": {"200": _ok("OpenAPI 3.0.3",
                                                                {"application/json": {"schema": {"type": "object"}}})}}},
@@ -153,7 +163,8 @@ def openapi_document(settings: Settings, served_model: str | None = None) -> dic
         },
         "components": {"schemas": {"PredictRequest": openapi30(request_schema(settings)),
                                    "GenerationStats": openapi30(stats_schema()),
-                                   **SCHEMAS, **openai_schemas}},
+                                   **SCHEMAS, **openai_schemas},
+                       **({"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}} if keyed else {})},
     }
 
 

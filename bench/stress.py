@@ -671,10 +671,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=20.0, help="length of the load phase")
-    parser.add_argument("--soak", type=int, default=1000, help="sequential requests of the soak")
+    parser.add_argument("--soak", type=int, default=1000, help="sequential requests of the soak (0: none)")
     parser.add_argument("--delay", type=float, default=0.002, help="seconds slept per target forward")
-    parser.add_argument("--slow-headers", type=int, default=256, help="connections trickling request heads")
-    parser.add_argument("--idle", type=int, default=256, help="idle connections")
+    parser.add_argument("--slow-headers", type=int, default=256, help="connections trickling request heads (0: none)")
+    parser.add_argument("--idle", type=int, default=256, help="idle connections (0: none)")
     parser.add_argument("--slow-readers", type=int, default=64, help="clients reading a stream a byte a second")
     parser.add_argument("--slow-seconds", type=float, default=10.0, help="probing time under each kind")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "stress.json")
@@ -699,8 +699,9 @@ def main(argv=None) -> int:
                 if count:
                     print(f"slow clients: {count} {kind} for {args.slow_seconds:g} s ...", file=sys.stderr)
                     figures["slow_clients"][kind] = run_slow_clients(server, kind, count, args.slow_seconds)
-            print(f"soak: {args.soak} requests ...", file=sys.stderr)
-            figures["soak"] = run_soak(server, args.soak, warmup=min(100, args.soak // 5))
+            if args.soak:
+                print(f"soak: {args.soak} requests ...", file=sys.stderr)
+                figures["soak"] = run_soak(server, args.soak, warmup=min(100, args.soak // 5))
         finally:
             server.stop()
         print("time budget and SIGTERM ...", file=sys.stderr)

@@ -78,11 +78,20 @@ def test_the_key_is_checked_before_the_body(client):
     assert_unauthorized(client.get("/predict"), invalid=False)  # 405 with a key
 
 
-def test_v1_paths_need_a_key(client):
-    assert_unauthorized(client.post("/v1/completions", json=BODY), invalid=False)
-    assert_unauthorized(client.get("/v1/models", headers=bearer("wrong")), invalid=True)
-    # with a key the request goes on to routing: no such route in this app
-    assert client.post("/v1/completions", json=BODY, headers=bearer(KEYS[0])).status_code == 404
+@pytest.mark.parametrize("method, path", [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                                          ("GET", "/v1/models"), ("GET", "/v1/no-such-route"), ("GET", "/v1")])
+def test_v1_paths_need_a_key_and_answer_in_openai_shape(client, method, path):
+    for headers, invalid in (({}, False), (bearer("wrong"), True)):
+        response = client.open(path, method=method, json={"model": "m", "prompt": "x"}, headers=headers)
+        assert response.status_code == 401, response.get_data(as_text=True)
+        error = response.get_json()["error"]
+        assert error["type"] == "invalid_request_error" and error["code"] == "invalid_api_key"
+        assert ('error="invalid_token"' in response.headers["WWW-Authenticate"]) == invalid
+
+
+def test_v1_with_a_key_goes_on_to_the_route(client):
+    assert client.get("/v1/models", headers=bearer(KEYS[1])).status_code == 200
+    assert client.get("/v1/no-such-route", headers=bearer(KEYS[1])).status_code == 404
 
 
 @pytest.mark.parametrize("path", ["/healthz", "/readyz", "/openapi.json"])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from specdec.serve.concurrency import EngineThread, TimeLimitExceeded, gevent_patched, time_limit
+from specdec.serve.concurrency import EngineThread, gevent_patched, time_limit
 from specdec.serve.worker import RESERVED_DESCRIPTORS, descriptors_for
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +44,11 @@ def test_results_and_exceptions_come_back_to_the_caller():
         engine.call(next, _returns(42))
     assert stopped.value.value == 42
     assert engine.call(lambda: "still serving") == "still serving"
+
+
+def test_a_call_from_the_engine_thread_itself_runs_at_once():
+    engine = EngineThread()  # e.g. a generation's close, run by a finalizer while the engine thread works
+    assert engine.call(lambda: engine.call(threading.get_ident)) == engine.call(threading.get_ident)
 
 
 def test_submit_returns_at_once_and_keeps_the_order():
@@ -129,6 +134,7 @@ def _raise(error):
 
 
 def _returns(value):
+    """A generator that ends at once; its StopIteration carries `value`."""
+    yield from ()
     return value
-    yield  # noqa: unreachable - makes this a generator whose StopIteration carries `value`
 

@@ -215,13 +215,15 @@ def test_sigterm_drains_new_requests_503_while_in_flight_and_queued_ones_finish(
                     while server.metric("specdec_queue_depth") < 1:
                         assert time.monotonic() < deadline, server.log()
                         time.sleep(0.01)
-                    server.process.send_signal(signal.SIGTERM)
+                    server.process.send_signal(signal.SIGTERM)  # to the master, which passes it to the worker
                     # new connections, after the signal: still accepted, and told to go elsewhere
-                    started = time.monotonic()
-                    during["readyz"] = requests.get(server.url + "/readyz", timeout=5)
+                    signalled = time.monotonic()
+                    while (readyz := requests.get(server.url + "/readyz", timeout=5)).status_code == 200:
+                        assert time.monotonic() - signalled < 1, "/readyz still 200 a second after SIGTERM"
+                    during["readyz"] = readyz
                     during["predict"] = post(server, {"prompt": PROMPT}, headers={"X-Request-ID": "after-term-1"})
                     during["healthz"] = requests.get(server.url + "/healthz", timeout=5)
-                    during["seconds"] = time.monotonic() - started
+                    during["seconds"] = time.monotonic() - signalled
         waiter.join(60)
         for name in ("readyz", "predict"):
             answer = during[name]

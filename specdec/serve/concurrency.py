@@ -31,6 +31,7 @@ class EngineThread:
         self._lock = threading.Lock()
         self._pool = None  # gevent: a one-thread gevent ThreadPool; otherwise a queue served by a daemon thread
         self._jobs: queue.SimpleQueue | None = None
+        self._ident: int | None = None  # the daemon thread's
 
     def call(self, fn: Callable, *args):
         """fn(*args) on the engine thread; its result, or its exception raised here."""
@@ -50,7 +51,9 @@ class EngineThread:
     def _run(self, fn: Callable, args: tuple) -> tuple[bool, object]:
         self._start()
         if self._pool is not None:  # the greenlet waits on the event loop; the loop runs on
-            return self._pool.apply(_captured, (fn, args))
+            return self._pool.apply(_captured, (fn, args))  # (from the engine thread itself: at once)
+        if threading.get_ident() == self._ident:  # from the engine thread itself (a finalizer closing a stream)
+            return _captured(fn, args)
         done: Future = Future()
         self._jobs.put((fn, args, done))
         return done.result()
@@ -69,6 +72,7 @@ class EngineThread:
                 threading.Thread(target=self._serve, name=self.name, daemon=True).start()
 
     def _serve(self) -> None:
+        self._ident = threading.get_ident()
         while True:
             fn, args, done = self._jobs.get()
             result = _captured(fn, args)

@@ -125,9 +125,9 @@ def openapi_document(settings: Settings, served_model: str | None = None) -> dic
         "503": _error("overloaded (queue full or waited too long), not_ready, or shutting_down (the server is "
                       "draining after SIGTERM)", retry_after=True),
     }
-    openai_paths, openai_schemas = openai_document(settings, served_model)
-    metrics_responses = {"200": _ok("Prometheus text format", {"text/plain": {"schema": {"type": "string"}}})}
     keyed = bool(settings.api_keys_file.strip())
+    openai_paths, openai_schemas = openai_document(settings, served_model, keyed)
+    metrics_responses = {"200": _ok("Prometheus text format", {"text/plain": {"schema": {"type": "string"}}})}
     if keyed:  # auth.py: every route but the open ones needs a key
         predict_responses["401"] = _error("unauthorized: no API key, or not a valid one (`WWW-Authenticate`)")
         if not settings.metrics_public:
@@ -186,9 +186,10 @@ OPENAI_SSE_EVENT = {"type": "object", "required": ["data"],
                         "if decoding failed after the stream started")}}}
 
 
-def openai_document(settings: Settings, served_model: str | None) -> tuple[dict, dict]:
+def openai_document(settings: Settings, served_model: str | None, keyed: bool = False) -> tuple[dict, dict]:
     """The /v1 paths and their schemas, generated from the pydantic models of openai_protocol.py (requests as
-    validated, answers as serialised), with this server's limits and model id patched in."""
+    validated, answers as serialised), with this server's limits and model id patched in; `keyed`: API keys
+    are required (auth.py)."""
     from pydantic.json_schema import models_json_schema
 
     from .openai_protocol import ANSWER_MODELS, REQUEST_MODELS
@@ -218,11 +219,15 @@ def openai_document(settings: Settings, served_model: str | None) -> tuple[dict,
                      "(a feature this server does not implement), unknown_parameter, missing_required_parameter, "
                      "context_length_exceeded or invalid_json"),
         "404": error("model_not_found: `model` is not the served model"),
+        "408": error(f"body_timeout: the body did not arrive within {settings.body_timeout:g} s"),
         "413": error(f"body_too_large: the body is over {settings.max_body_bytes} bytes"),
         "415": error("unsupported_media_type: the body is not application/json"),
         "500": error("server_error: an unexpected failure; the message gives the request id"),
-        "503": error("overloaded (queue full or waited too long) or not_ready", retry_after=True),
+        "503": error("overloaded (queue full or waited too long), not_ready, or shutting_down (draining after "
+                     "SIGTERM)", retry_after=True),
     }
+    unauthorized = {"401": error("invalid_api_key: no API key, or not a valid one (`WWW-Authenticate`)")}
+    security = {"security": [{"bearer": []}]} if keyed else {}
 
     def create(operation: str, summary: str, request: str, answer: str, chunk: str) -> dict:
         return {"post": {
@@ -230,7 +235,8 @@ def openai_document(settings: Settings, served_model: str | None) -> tuple[dict,
             "requestBody": {"required": True, "content": ref(request)},
             "responses": {"200": _ok(f"the {answer}, or with `stream` Server-Sent Events of {chunk} chunks",
                                      {**ref(answer), "text/event-stream": {"schema": OPENAI_SSE_EVENT}}),
-                          **errors},
+                          **errors, **(unauthorized if keyed else {})},
+            **security,
         }}
 
     paths = {
@@ -241,8 +247,10 @@ def openai_document(settings: Settings, served_model: str | None) -> tuple[dict,
         "/v1/models": {"get": {"operationId": "listModels", "summary": "The served model (OpenAI-compatible)",
                                "responses": {"200": _ok("the target model; the draft is in its metadata",
                                                         ref("ModelList")),
-                                             "503": error("not_ready: still loading, or loading failed",
-                                                          retry_after=True)}}},
+                                             "503": error("not_ready (still loading, or loading failed) or "
+                                                          "shutting_down (draining after SIGTERM)", retry_after=True),
+                                             **(unauthorized if keyed else {})},
+                               **security}},
     }
     return paths, schemas
 

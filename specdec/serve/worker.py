@@ -15,8 +15,10 @@ worker does; the master is never patched.
 import logging
 import resource
 import time
+import warnings
 
 import gevent
+from gevent.monkey import MonkeyPatchWarning
 from gunicorn.workers.ggevent import GeventWorker
 
 logger = logging.getLogger(__name__)
@@ -26,15 +28,25 @@ RESERVED_DESCRIPTORS = 128
 
 
 class Worker(GeventWorker):
+    """gunicorn's gevent worker with the service's header timeout, open-file budget and draining."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.service = None  # the app's Service, once the app is loaded
         self.header_timeout = float(self.cfg.keepalive or 10)
-        self.draining = False
 
     def init_process(self):
         self.worker_connections = descriptors_for(self.worker_connections)
         super().init_process()  # patches, loads the app (the models start loading on the engine thread), runs
+
+    def patch(self):
+        with warnings.catch_warnings():
+            # The master imported the app's stack (transformers, and ssl with it) before forking this worker, so
+            # gevent warns that ssl was imported first; HTTPS from the engine thread (a hub download) works.
+            warnings.filterwarnings("ignore", "Monkey-patching ssl after ssl", MonkeyPatchWarning)
+            # gevent's scan of the loaded modules touches torch.distributed's deprecated alias
+            warnings.filterwarnings("ignore", ".*reduce_op", FutureWarning)
+            super().patch()
 
     def load_wsgi(self):
         super().load_wsgi()
@@ -50,9 +62,8 @@ class Worker(GeventWorker):
         if self.service is None:  # the app is not loaded yet: nothing to drain
             super().handle_exit(sig, frame)
             return
-        if self.draining:
+        if self.service.draining:  # already on its way out
             return
-        self.draining = True
         self.service.drain()
         gevent.spawn(self._stop_when_idle)  # not in the signal handler itself (as gunicorn's gevent worker does)
 

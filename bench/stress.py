@@ -1,10 +1,12 @@
-"""`make stress` (`python -m bench.stress`): load, faults and a soak against the service under gunicorn on
-127.0.0.1 with a tiny random pair. Prints a Markdown table of the figures and writes them as JSON.
+"""`make stress` (`python -m bench.stress`): load, faults, slow and idle clients, and a soak against the service
+under gunicorn on 127.0.0.1 with a tiny random pair. Prints a Markdown table of the figures and writes them as
+JSON.
 
 Nothing downloads: the pair is saved with the tests' tiny-model helper (tests/support/models.py) into a temporary
 folder. `faulty_pair` is the loader the server runs with: the pair, plus faults a prompt can ask for (an
 exception or an out-of-memory error inside the target's forward) and an optional delay per target forward.
-The functional versions of these checks, smaller, are in tests/test_hardening_gunicorn.py.
+The functional versions of these checks, smaller, are in tests/test_hardening_gunicorn.py and
+tests/test_slow_clients_gunicorn.py.
 """
 
 import argparse
@@ -88,9 +90,9 @@ class Server:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()[-3000:]}")
             try:
-                if requests.get(self.url + "/readyz", timeout=2).status_code == 200:
+                if requests.get(self.url + "/readyz", timeout=5).status_code == 200:
                     return self
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or busy importing
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"the server was not ready within {timeout} s:\n{self.log()[-3000:]}")
@@ -228,6 +230,208 @@ def run_load(server: Server, clients: int = 16, seconds: float = 20.0, max_new_t
             **counts, "served_per_second": round(counts["ok_200"] / elapsed, 2),
             "p50_ms": ms(percentile(latencies_200, 50)), "p95_ms": ms(percentile(latencies_200, 95)),
             "p50_503_ms": ms(percentile(latencies_503, 50)), "samples": samples[:10]}
+
+
+# --- slow and idle clients -------------------------------------------------------------------------------------
+
+# A request head that never ends: one byte of it per second per connection (a header too long to finish in time).
+SLOW_HEAD = (b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nX-Slow: "
+             + b"a" * 8000)
+KEEP_ALIVE_REQUEST = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+GOOD = {"prompt": "a good request", "max_new_tokens": 16, "temperature": 0}
+
+
+class Clients:
+    """`count` connections that one thread holds open against the server, each doing what `kind` says; a
+    connection the server closes is opened again at once, so the count stays up.
+
+    - "slow_headers": sends a request head one byte a second, never finishing it;
+    - "idle": half send one keep-alive request and read its answer, then stay idle; half never send anything;
+    - "slow_readers": send a streamed /predict with a small receive buffer, read the status line, and then the
+      answer one byte a second (a 503 is closed and sent again).
+    """
+
+    def __init__(self, server: Server, count: int, kind: str, stream_body: dict | None = None):
+        self.server, self.count, self.kind = server, count, kind
+        body = json.dumps(stream_body or {"prompt": "a slow reader", "max_new_tokens": 4, "stream": True,
+                                          "details": True, "temperature": 0}).encode()
+        self.predict = (b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        self.figures = {"opened": 0, "closed_by_server": 0, "connect_errors": 0, "streams_started": 0,
+                        "busy_503": 0, "bytes_read": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"clients-{kind}", daemon=True)
+        self._conns: list[dict | None] = [None] * count
+
+    def start(self) -> "Clients":
+        self._thread.start()
+        return self
+
+    def wait_until_open(self, timeout: float) -> bool:
+        """Whether all `count` connections are open (slow readers: each with its answer started) by `timeout`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.established() >= self.count:
+                return True
+            time.sleep(0.1)
+        return False
+
+    def established(self) -> int:
+        return sum(1 for conn in list(self._conns) if conn is not None and conn["state"] in ("open", "reading"))
+
+    def stop(self) -> dict:
+        """Close every connection; the figures."""
+        self._stop.set()
+        self._thread.join(30)
+        for conn in self._conns:
+            if conn is not None:
+                conn["sock"].close()
+        return dict(self.figures, connections=self.count, kind=self.kind)
+
+    def _open(self, i: int) -> None:
+        sock = socket.socket()
+        if self.kind == "slow_readers":
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        sock.settimeout(5)
+        try:
+            sock.connect(("127.0.0.1", self.server.port))
+        except OSError:
+            sock.close()
+            self.figures["connect_errors"] += 1
+            self._conns[i] = None
+            return
+        self.figures["opened"] += 1
+        conn = {"sock": sock, "state": "open", "sent": 0, "head": b"", "due": time.monotonic() + 1}
+        if self.kind == "idle" and i % 2 == 0 or self.kind == "slow_readers":
+            try:
+                sock.sendall(KEEP_ALIVE_REQUEST if self.kind == "idle" else self.predict)
+            except OSError:
+                sock.close()
+                self.figures["closed_by_server"] += 1
+                self._conns[i] = None
+                return
+            conn["state"] = "answering" if self.kind == "slow_readers" else "open"
+        sock.setblocking(False)
+        self._conns[i] = conn
+
+    def _tick(self, i: int, now: float) -> None:
+        conn = self._conns[i]
+        if conn is None:
+            return self._open(i)
+        sock = conn["sock"]
+        due = now >= conn["due"]  # one byte a second, sent or read
+        if due:
+            conn["due"] = now + 1
+        try:
+            if self.kind == "slow_headers":
+                if due and conn["sent"] < len(SLOW_HEAD):
+                    sock.send(SLOW_HEAD[conn["sent"]:conn["sent"] + 1])
+                    conn["sent"] += 1
+                data = sock.recv(65536)  # anything at all (an error answer, or the end) means the server gave up
+            elif self.kind == "idle":
+                data = sock.recv(65536)  # the keep-alive answer, then nothing until the server closes
+                if data:
+                    self.figures["bytes_read"] += len(data)
+                    return
+            elif conn["state"] == "answering":  # a slow reader waits for its status line, read at once
+                data = sock.recv(12 - len(conn["head"]))
+                conn["head"] += data
+                if data and len(conn["head"]) < 12:
+                    return
+                if data and conn["head"].startswith(b"HTTP/1.1 503"):
+                    self.figures["busy_503"] += 1
+                    sock.close()
+                    self._conns[i] = None
+                    return
+                if data:
+                    self.figures["streams_started"] += 1
+                    conn["state"] = "reading"
+                    return
+            else:
+                if not due:
+                    return
+                data = sock.recv(1)
+                if data:
+                    self.figures["bytes_read"] += 1
+                    return
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        self.figures["closed_by_server"] += 1
+        sock.close()
+        self._open(i)
+
+    def _run(self) -> None:
+        for i in range(self.count):
+            self._open(i)
+        while not self._stop.wait(0.1):
+            now = time.monotonic()
+            for i in range(self.count):
+                self._tick(i, now)
+
+
+def probe(server: Server, seconds: float, good: dict = GOOD) -> dict:
+    """For `seconds`: a good /predict at a time, each on a new connection, and meanwhile /healthz every 0.2 s.
+
+    Each good request's latency beyond its own decoding (the engine's total_seconds) and each /healthz latency;
+    a request that fails or times out counts against the server."""
+    end = time.monotonic() + seconds
+    health: list[float] = []
+    extra: list[float] = []
+    failures: list[str] = []
+
+    def healthz():
+        while time.monotonic() < end:
+            start = time.perf_counter()
+            try:
+                status = requests.get(server.url + "/healthz", timeout=5).status_code
+            except requests.RequestException as error:
+                status = repr(error)
+            health.append(time.perf_counter() - start)
+            if status != 200:
+                failures.append(f"/healthz: {status}")
+            time.sleep(0.2)
+
+    checker = threading.Thread(target=healthz, daemon=True)
+    checker.start()
+    while time.monotonic() < end:
+        start = time.perf_counter()
+        try:
+            response = requests.post(server.url + "/predict", json=good, timeout=15)
+        except requests.RequestException as error:
+            failures.append(f"/predict: {error!r}")
+            extra.append(time.perf_counter() - start)
+            continue
+        took = time.perf_counter() - start
+        if response.status_code != 200:
+            failures.append(f"/predict: {response.status_code} {response.text[:200]}")
+            extra.append(took)
+            continue
+        extra.append(took - response.json()["stats"]["total_seconds"])
+        time.sleep(0.2)
+    checker.join(10)
+    return {"good_requests": len(extra), "good_extra_max_s": round(max(extra), 3) if extra else None,
+            "healthz_requests": len(health), "healthz_max_s": round(max(health), 3) if health else None,
+            "failures": len(failures), "samples": failures[:5]}
+
+
+def run_slow_clients(server: Server, kind: str, count: int, seconds: float = 10.0, setup_timeout: float = 60.0,
+                     **options) -> dict:
+    """`count` clients of `kind` (see Clients) against the server, and meanwhile `probe` for `seconds`."""
+    clients = Clients(server, count, kind, **options).start()
+    try:
+        started = time.monotonic()
+        opened = clients.wait_until_open(setup_timeout)
+        setup = time.monotonic() - started
+        figures = probe(server, seconds)
+        held = clients.established()
+    finally:
+        totals = clients.stop()
+    figures.update(totals, all_open=opened, setup_seconds=round(setup, 1), open_at_end=held)
+    figures["ok"] = (opened and figures["failures"] == 0 and figures["good_extra_max_s"] is not None
+                     and figures["good_extra_max_s"] <= 2.0 and figures["healthz_max_s"] <= 1.0)
+    return figures
 
 
 # --- faults ----------------------------------------------------------------------------------------------------
@@ -426,6 +630,16 @@ def checks(figures: dict) -> list[tuple[str, str, str, bool]]:
         rows.append(("fault: SIGTERM during a request",
                      f"request finished {f['finished_after_signal_ms']} ms after the signal, exit {f['exit_code']}",
                      "request completes, then exit 0", f["ok"]))
+    for kind, what in (("slow_headers", "connections trickling request heads, a byte a second"),
+                       ("idle", "idle connections (half kept alive after a request, half silent)"),
+                       ("slow_readers", "clients reading a stream a byte a second")):
+        f = figures.get("slow_clients", {}).get(kind)
+        if f:
+            rows.append((f"slow clients: {f['connections']} {what}",
+                         f"good requests {f['good_extra_max_s']} s beyond decoding (max of {f['good_requests']}), "
+                         f"/healthz {f['healthz_max_s']} s (max of {f['healthz_requests']}), {f['failures']} failed; "
+                         f"{f['open_at_end']} held open, {f['closed_by_server']} dropped by the server",
+                         "<= 2 s, <= 1 s, 0 failed, all held", f["ok"]))
     soak = figures.get("soak")
     if soak:
         rows += [
@@ -449,31 +663,45 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+# the main server's limits (the time budget and SIGTERM run on a second server)
+LIMITS = {"queue_size": 4, "queue_timeout": 30, "retry_after": 1, "header_timeout": 10.0, "body_timeout": 30.0}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--seconds", type=float, default=20.0, help="length of the load phase")
-    parser.add_argument("--soak", type=int, default=1000, help="sequential requests of the soak")
+    parser.add_argument("--soak", type=int, default=1000, help="sequential requests of the soak (0: none)")
     parser.add_argument("--delay", type=float, default=0.002, help="seconds slept per target forward")
+    parser.add_argument("--slow-headers", type=int, default=256, help="connections trickling request heads (0: none)")
+    parser.add_argument("--idle", type=int, default=256, help="idle connections (0: none)")
+    parser.add_argument("--slow-readers", type=int, default=64, help="clients reading a stream a byte a second")
+    parser.add_argument("--slow-seconds", type=float, default=10.0, help="probing time under each kind")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "stress.json")
     args = parser.parse_args(argv)
 
     started = time.time()
     figures: dict = {"command": " ".join(["python -m bench.stress", *(argv if argv is not None else sys.argv[1:])]),
                      "host": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
-                     "settings": {"queue_size": 4, "retry_after": 1, "forward_delay_s": args.delay}, "faults": {}}
+                     "settings": {**LIMITS, "forward_delay_s": args.delay}, "faults": {}}
     with tempfile.TemporaryDirectory(prefix="specdec-stress-") as tmp:
         folder = Path(tmp)
         pair = save_pair(folder / "pair")
-        server = start_server(folder, pair, "main", delay=args.delay, queue_size=4, queue_timeout=30,
-                              retry_after=1, log_level="info")
+        server = start_server(folder, pair, "main", delay=args.delay, log_level="info", **LIMITS)
         try:
             print(f"load: {args.clients} clients for {args.seconds:g} s ...", file=sys.stderr)
             figures["load"] = run_load(server, args.clients, args.seconds)
             print("faults ...", file=sys.stderr)
             figures["faults"].update(run_faults(server))
-            print(f"soak: {args.soak} requests ...", file=sys.stderr)
-            figures["soak"] = run_soak(server, args.soak, warmup=min(100, args.soak // 5))
+            figures["slow_clients"] = {}
+            for kind, count in (("slow_headers", args.slow_headers), ("idle", args.idle),
+                                ("slow_readers", args.slow_readers)):
+                if count:
+                    print(f"slow clients: {count} {kind} for {args.slow_seconds:g} s ...", file=sys.stderr)
+                    figures["slow_clients"][kind] = run_slow_clients(server, kind, count, args.slow_seconds)
+            if args.soak:
+                print(f"soak: {args.soak} requests ...", file=sys.stderr)
+                figures["soak"] = run_soak(server, args.soak, warmup=min(100, args.soak // 5))
         finally:
             server.stop()
         print("time budget and SIGTERM ...", file=sys.stderr)

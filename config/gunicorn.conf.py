@@ -1,10 +1,11 @@
 """gunicorn settings for the specdec service (`python serving.py`, `make serve`, the Docker image).
 
 One worker: both models are resident in it, and they load there, after fork (CUDA cannot be re-initialised in
-a forked child, so nothing here or in the master touches the GPU). Threads let waiting requests queue while
-one decodes; the service's scheduler bounds that queue. Bind address, port and limits come from the specdec
-settings (config/default.toml < $SPECDEC_CONFIG < SPECDEC_* variables); gunicorn's own options may still be
-overridden on its command line or in GUNICORN_CMD_ARGS.
+a forked child, so nothing here or in the master touches the GPU). The worker is gevent's (specdec/serve/worker.py):
+each connection is a greenlet, so slow and idle clients cost little, while the engine decodes on its own OS
+thread; the service's scheduler lets one request decode and bounds the queue behind it. Bind address, port and
+limits come from the specdec settings (config/default.toml < $SPECDEC_CONFIG < SPECDEC_* variables); gunicorn's
+own options may still be overridden on its command line or in GUNICORN_CMD_ARGS.
 """
 
 import os
@@ -20,15 +21,17 @@ except ConfigError as _error:
 wsgi_app = "serving:create_app()"
 bind = [f"[{_settings.host}]:{_settings.port}" if ":" in _settings.host else f"{_settings.host}:{_settings.port}"]
 workers = 1
-worker_class = "gthread"
-# One thread decodes, queue_size wait for it, and a few more answer /healthz, /metrics and 503s meanwhile.
-threads = _settings.queue_size + 4
-# gthread's main loop heartbeats while request threads decode, so this bounds a hung worker, not a generation.
+worker_class = "specdec.serve.worker.Worker"
+# Connections open at once (each a greenlet). The worker raises its open-file limit to fit them, or holds fewer.
+worker_connections = 1024
+# The event loop heartbeats while the engine thread decodes, so this bounds a hung worker, not a generation.
 timeout = 120
-# On SIGTERM the worker stops accepting and lets in-flight and queued requests finish for up to this long:
-# a request waits at most queue_timeout for its turn, then decodes for at most request_timeout.
+# On SIGTERM the worker drains: new requests get 503, those in flight and queued finish, for up to this long
+# (a request waits at most queue_timeout for its turn, then decodes for at most request_timeout).
 graceful_timeout = int(_settings.queue_timeout + _settings.request_timeout) + 10
-keepalive = 5
+# Keep-alive on. The worker times each wait for a request's head, on a new or a kept-alive connection, with the
+# header_timeout setting instead of this.
+keepalive = max(1, round(_settings.header_timeout))
 control_socket_disable = True  # one fixed worker: nothing to manage at runtime, and no socket under $HOME
 
 # Logs go to stdout. The service writes one line per request itself, so gunicorn's access log stays quiet.

@@ -319,6 +319,44 @@ def test_queue_timeout_is_503_with_retry_after(pair):
     assert "queue timeout" in error["message"] and response.headers["Retry-After"] == "5"
 
 
+def test_draining_refuses_new_requests_and_serves_those_in_flight(pair):
+    app = make_app(pair, queue_size=1, retry_after=7)
+    service, client = app.extensions["specdec"], app.test_client()
+    slot = service.scheduler.acquire()  # a request is decoding
+    queued = {}
+    waiter = threading.Thread(target=lambda: queued.update(response=predict(app.test_client(), max_new_tokens=3)))
+    waiter.start()
+    while service.scheduler.waiting < 1:  # and one waits in the queue
+        waiter.join(0.01)
+    service.drain()
+    assert not service.idle
+    for response in (client.get("/readyz"), predict(client)):
+        error = assert_error(response, 503, "shutting_down")
+        assert "shutting down" in error["message"] and response.headers["Retry-After"] == "7"
+    assert client.get("/healthz").status_code == 200  # alive, just not taking work
+    assert "specdec_ready 0.0" in client.get("/metrics").get_data(as_text=True)
+    slot.release()
+    waiter.join(30)
+    assert queued["response"].status_code == 200  # the queued request was served
+    assert service.idle
+
+
+def test_a_request_that_came_in_before_the_drain_is_served(pair):
+    from specdec.serve.service import RequestRecord
+
+    app = make_app(pair)
+    service = app.extensions["specdec"]
+    before = RequestRecord("before-the-drain")
+    service.drain()
+    prompt = service.encode("Who is")
+    generation = service.generation(prompt, service.settings.sampling.replace(max_new_tokens=3), before)
+    generation.run()
+    generation.close()
+    assert len(generation.completion.tokens) == 3 and service.idle
+    with pytest.raises(Exception, match="shutting down"):
+        service.generation(prompt, service.settings.sampling, RequestRecord("after-the-drain"))
+
+
 def test_unexpected_failure_is_500_and_the_server_keeps_serving(app, client, service, monkeypatch, caplog):
     def broken(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")

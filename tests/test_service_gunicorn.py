@@ -1,6 +1,6 @@
 """The service under a real gunicorn (`python serving.py`) on 127.0.0.1 with the saved tiny pair: the README's
 curl request, SSE read by a real client, 8 concurrent clients against a queue of 2, metrics, client disconnect,
-SIGTERM during a request, and start-up refusing a bad configuration."""
+SIGTERM during a request and draining after it, API keys, and start-up refusing a bad configuration."""
 
 import json
 import re
@@ -189,6 +189,90 @@ def test_sigterm_lets_the_in_flight_request_finish(tmp_path_factory, tiny_pair_d
         assert log.index("Handling signal: term") < log.index("POST /predict status=200")  # it was in flight
     finally:
         server.stop()
+
+
+def test_sigterm_drains_new_requests_503_while_in_flight_and_queued_ones_finish(tmp_path_factory, tiny_pair_dirs):
+    server = start(tmp_path_factory, tiny_pair_dirs, "drain", queue_size=2, retry_after=3)
+    try:
+        queued = {}
+
+        def wait_in_line():
+            response = post(server, {"prompt": "queued", "max_new_tokens": 10}, headers={"X-Request-ID": "queued-1"})
+            queued.update(status=response.status_code, body=response.json())
+
+        waiter = threading.Thread(target=wait_in_line)
+        events, during = [], {}
+        # greedy: this prompt decodes all 200 tokens, for a few seconds at 5 ms per target forward
+        with post(server, {"prompt": PROMPT, "max_new_tokens": 200, "gamma": 2, "temperature": 0, "stream": True},
+                  stream=True, headers={"X-Request-ID": "in-flight-1"}) as response:
+            for line in response.iter_lines(decode_unicode=True):
+                if not line:
+                    continue
+                events.append(json.loads(line.removeprefix("data: ")))
+                if len(events) == 1:
+                    waiter.start()
+                    deadline = time.monotonic() + 20
+                    while server.metric("specdec_queue_depth") < 1:
+                        assert time.monotonic() < deadline, server.log()
+                        time.sleep(0.01)
+                    server.process.send_signal(signal.SIGTERM)  # to the master, which passes it to the worker
+                    # new connections, after the signal: still accepted, and told to go elsewhere
+                    signalled = time.monotonic()
+                    while (readyz := requests.get(server.url + "/readyz", timeout=5)).status_code == 200:
+                        assert time.monotonic() - signalled < 1, "/readyz still 200 a second after SIGTERM"
+                    during["readyz"] = readyz
+                    during["predict"] = post(server, {"prompt": PROMPT}, headers={"X-Request-ID": "after-term-1"})
+                    during["healthz"] = requests.get(server.url + "/healthz", timeout=5)
+                    during["seconds"] = time.monotonic() - signalled
+        waiter.join(60)
+        for name in ("readyz", "predict"):
+            answer = during[name]
+            assert answer.status_code == 503 and answer.json()["error"]["type"] == "shutting_down", answer.text
+            assert answer.headers["Retry-After"] == "3"
+        assert during["healthz"].status_code == 200 and during["seconds"] < 2
+        final = events[-1]
+        assert final["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 200  # whole
+        assert queued["status"] == 200 and queued["body"]["usage"]["completion_tokens"] >= 1  # served in turn
+        assert server.process.wait(60) == 0
+        log = server.log()
+        order = [log.index(marker) for marker in (
+            "Handling signal: term", "draining: new requests are answered 503; waiting for 1 in flight and 1 queued",
+            "request_id=after-term-1 POST /predict status=503", "request_id=in-flight-1 POST /predict status=200",
+            "request_id=queued-1 POST /predict status=200", "drained in")]
+        assert order == sorted(order), log[-3000:]
+    finally:
+        server.stop()
+
+
+def test_api_keys_under_gunicorn_and_never_in_the_log(tmp_path_factory, tiny_pair_dirs):
+    keys_file = tmp_path_factory.mktemp("keys") / "keys"
+    key = "sk-live-5b0c1d8e7f6a4932"
+    keys_file.write_text(f"# rotated monthly\n{key}\n")
+    server = start(tmp_path_factory, tiny_pair_dirs, "keys", api_keys_file=keys_file)
+    try:
+        missing = post(server, {"prompt": PROMPT})
+        assert missing.status_code == 401 and missing.headers["WWW-Authenticate"].startswith("Bearer")
+        assert missing.json()["error"]["type"] == "unauthorized"
+        wrong = post(server, {"prompt": PROMPT}, headers={"Authorization": f"Bearer {key[:-1]}x"})
+        assert wrong.status_code == 401 and 'error="invalid_token"' in wrong.headers["WWW-Authenticate"]
+        good = post(server, {"prompt": PROMPT, "max_new_tokens": 5}, headers={"Authorization": f"Bearer {key}"})
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] >= 1
+        assert requests.get(server.url + "/healthz", timeout=5).status_code == 200
+        assert requests.get(server.url + "/metrics", timeout=5).status_code == 401
+        log = server.log()
+        assert "status=401" in log and "status=200" in log
+        assert key not in log and key[:-1] not in log and "sk-live" not in log
+    finally:
+        server.stop()
+
+
+def test_a_missing_keys_file_stops_start_up_with_one_message(tmp_path):
+    server = Server(tmp_path / "no-keys.log", api_keys_file=tmp_path / "missing-keys")
+    assert server.process.wait(60) != 0
+    log = server.log()
+    assert (f"specdec: invalid configuration: api_keys_file = '{tmp_path / 'missing-keys'}' "
+            f"(from SPECDEC_API_KEYS_FILE): the API keys file {tmp_path / 'missing-keys'} does not exist") in log
+    assert "Traceback" not in log
 
 
 def test_invalid_configuration_stops_start_up_with_one_message(tmp_path):

@@ -2,7 +2,8 @@
 
 Settings come from config/default.toml < $SPECDEC_CONFIG < SPECDEC_* variables < `config`. The factory
 registers the routes' Blueprints (/predict and the rest; the OpenAI-compatible /v1), the per-request record
-(request id, one log line, metrics) and the one error handler, then starts loading the pair in the background.
+(request id, one log line, metrics), the API key check (auth.py) and the one error handler, then starts loading
+the pair in the background.
 """
 
 import re
@@ -11,6 +12,7 @@ from collections.abc import Mapping
 
 from flask import Flask, g, jsonify, request
 
+from . import auth
 from .config import load_settings
 from .errors import to_api_error
 from .openai_protocol import is_openai_path, openai_error
@@ -36,6 +38,8 @@ def create_app(config: Mapping | None = None) -> Flask:
     def start_record():
         sent = request.headers.get("X-Request-ID", "")
         g.record = RequestRecord(sent if REQUEST_ID.fullmatch(sent) else uuid.uuid4().hex)
+
+    auth.install(app, settings)  # after start_record: a refused request is logged like any other
 
     @app.after_request
     def finish_record(response):

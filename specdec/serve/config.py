@@ -53,6 +53,11 @@ class Settings(BaseModel):
     request_timeout: float = Field(gt=0, allow_inf_nan=False)
     max_body_bytes: int = Field(ge=1024)
     retry_after: int = Field(ge=1)
+    header_timeout: float = Field(gt=0, allow_inf_nan=False)
+    body_timeout: float = Field(gt=0, allow_inf_nan=False)
+    # a file of API keys, one a line ("" = none: no key needed); checked here, read again by auth.py
+    api_keys_file: str
+    metrics_public: bool
     log_level: Literal["debug", "info", "warning", "error"]
     # loader(settings) -> (draft, target, tokenizer); None: specdec.load_pair with the model settings.
     # A "package.module:function" string is imported here, so a bad path fails at start-up.
@@ -69,6 +74,13 @@ class Settings(BaseModel):
     @classmethod
     def _lower(cls, value):
         return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _keys_readable(cls, value: str) -> str:
+        if value.strip():
+            read_api_keys(value)  # a ConfigError (a ValueError) names the problem, never a key
+        return value
 
     @field_validator("loader", mode="before")
     @classmethod
@@ -103,6 +115,23 @@ class Settings(BaseModel):
         except SpecDecError as error:
             raise ValueError(f"{error.field}: {error.message}") from None
         return self
+
+
+def read_api_keys(path: str) -> tuple[str, ...]:
+    """The keys in a keys file: one a line, surrounding whitespace dropped, blank lines and `#` comments skipped.
+    A ConfigError if the file is missing, unreadable or holds no key (its message never quotes the file's text)."""
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"the API keys file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else "it is not UTF-8 text"
+        raise ConfigError(f"cannot read the API keys file {path}: {reason}") from None
+    keys = tuple(line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+    if not keys:
+        raise ConfigError(f"the API keys file {path} holds no key (one a line; blank lines and # comments are "
+                          f"skipped)")
+    return keys
 
 
 def _read_toml(path: Path, what: str) -> dict:

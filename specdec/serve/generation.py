@@ -2,7 +2,8 @@
 the time budget, and render the answer as JSON or as Server-Sent Events.
 
 `close` stops the engine, releases its slot and records the outcome; it is idempotent and runs on every path:
-normal end, stop string, time limit, client disconnect, error.
+normal end, stop string, time limit, client disconnect, error. Whatever touches the engine's stream (a round,
+ending, abandoning) runs on the engine thread (concurrency.py); text assembly runs in the request's greenlet.
 """
 
 import json
@@ -39,10 +40,9 @@ class Generation:
         """Decode one round; the tokens it kept, or None when decoding has ended."""
         if self.done:
             return None
-        try:
-            chunk = next(self.stream)
-        except StopIteration as end:
-            self.result = end.value
+        chunk, result = self.service.engine.call(_advance, self.stream)
+        if chunk is None:
+            self.result = result
             self.completion.finish()
             return None
         self.new_tokens += len(chunk.token_ids)
@@ -58,10 +58,7 @@ class Generation:
 
     def _end(self) -> None:
         """End decoding after the round just committed; the engine returns its result (and stats)."""
-        try:
-            self.stream.send("stop")
-        except StopIteration as end:
-            self.result = end.value
+        self.result = self.service.engine.call(_stop, self.stream)
 
     def _finished_by(self, chunk) -> bool:
         """Whether this round ended decoding anyway (max_new_tokens reached, or an end-of-sequence token)."""
@@ -129,7 +126,7 @@ class Generation:
                 return
             self.closed = True
         try:
-            self.stream.close()
+            self.service.engine.call(self.stream.close)
         finally:
             self.slot.release()
         record = self.record
@@ -138,6 +135,23 @@ class Generation:
         stats = self.stats()
         record.acceptance_rate = stats.acceptance_rate if stats else None
         self.service.metrics.observe_generation(len(self.prompt_ids), stats)
+
+
+def _advance(stream):
+    """(the next chunk, None), or (None, the result) once decoding has ended."""
+    try:
+        return next(stream), None
+    except StopIteration as end:
+        return None, end.value
+
+
+def _stop(stream):
+    """End decoding after the round just committed; the engine's result."""
+    try:
+        stream.send("stop")
+    except StopIteration as end:
+        return end.value
+    return None
 
 
 def sse(payload: dict) -> str:

@@ -1,7 +1,8 @@
-"""Loading the pair once per process, in a background thread: /healthz answers at once, /readyz says 503 until
-the draft, the target and the tokenizer are resident and warmed up.
+"""Loading the pair once per process, on the engine thread: /healthz answers at once, /readyz says 503 until the
+draft, the target and the tokenizer are resident and warmed up.
 
-Under gunicorn this runs in the worker, after fork (CUDA cannot be re-initialised in a forked child).
+Under gunicorn this runs in the worker, after fork (CUDA cannot be re-initialised in a forked child), and on the
+engine's own OS thread (concurrency.py), so the event loop keeps answering while the models load.
 """
 
 import json
@@ -15,6 +16,7 @@ from ..engine import SpeculativeDecoder, eos_token_ids
 from ..errors import SpecDecError
 from ..kv_cache import input_device
 from ..loading import startup_step
+from .concurrency import EngineThread
 from .config import Settings
 from .errors import ApiError
 from .metrics import peak_resident_memory_bytes, resident_memory_bytes
@@ -25,8 +27,10 @@ logger = logging.getLogger(__name__)
 class ModelHost:
     """The resident pair of one app: `decoder`, `tokenizer` and `eos_token_ids` once loaded, or `load_error`."""
 
-    def __init__(self, settings: Settings, on_ready: Callable[[float], None] = lambda load_seconds: None):
+    def __init__(self, settings: Settings, engine: EngineThread,
+                 on_ready: Callable[[float], None] = lambda load_seconds: None):
         self.settings = settings
+        self.engine = engine
         self.decoder: SpeculativeDecoder | None = None
         self.tokenizer = None
         self.eos_token_ids: list[int] = []
@@ -38,7 +42,7 @@ class ModelHost:
         self._failure_callbacks: list[Callable[[str], None]] = []
 
     def start(self) -> None:
-        threading.Thread(target=self._load, name="specdec-load", daemon=True).start()
+        self.engine.submit(self._load)
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once loading has finished (successfully or not) within `timeout` seconds."""

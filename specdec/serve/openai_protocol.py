@@ -36,7 +36,8 @@ OPENAI_PREFIX = "/v1"
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 FINISH_REASONS = ("stop", "length")  # a time limit reads as "length": the completion was cut short
 # our error types -> OpenAI's error codes, where they differ
-CODES = {"invalid_field": "invalid_value", "prompt_too_long": "context_length_exceeded"}
+CODES = {"invalid_field": "invalid_value", "prompt_too_long": "context_length_exceeded",
+         "unauthorized": "invalid_api_key"}
 
 
 def is_openai_path(path: str) -> bool:

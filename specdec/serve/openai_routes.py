@@ -56,7 +56,7 @@ def _created(state):
 @openai_routes.get("/models")
 def models():
     svc = service()
-    svc.require_ready()
+    svc.require_ready(g.record.started)
     info, sampling = svc.models.info, svc.settings.sampling
     card = Model(id=served_model(svc), created=current_app.extensions["specdec.openai.created"],
                  max_model_len=info["context_length"],
@@ -69,7 +69,7 @@ def models():
 @openai_routes.post("/completions")
 def completions():
     svc = service()
-    req = parse(CompletionRequest, read_json_object(request, svc.settings.max_body_bytes))
+    req = parse(CompletionRequest, read_json_object(request, svc.settings.max_body_bytes, svc.settings.body_timeout))
     sampling = req.sampling(svc.settings)
     check_model(svc, req.model)
     prompt_ids = svc.encode(req.prompt_text, field_name="prompt")
@@ -79,7 +79,8 @@ def completions():
 @openai_routes.post("/chat/completions")
 def chat_completions():
     svc = service()
-    req = parse(ChatCompletionRequest, read_json_object(request, svc.settings.max_body_bytes))
+    req = parse(ChatCompletionRequest, read_json_object(request, svc.settings.max_body_bytes,
+                                                        svc.settings.body_timeout))
     sampling = req.sampling(svc.settings)
     check_model(svc, req.model)
     prompt_ids = svc.encode(messages=req.chat_messages(), field_name="messages")
@@ -87,7 +88,7 @@ def chat_completions():
 
 
 def check_model(svc, name: str) -> None:
-    svc.require_ready()
+    svc.require_ready(g.record.started)
     if name != served_model(svc):
         raise ApiError(404, "model_not_found", f"the model {name!r} does not exist; this server serves "
                                                f"{served_model(svc)!r} (see /v1/models)", "model")

@@ -123,13 +123,21 @@ def openapi_document(settings: Settings, served_model: str | None = None) -> dic
                    "final event with finish_reason, usage and stats)",
                    {**json_of("PredictResponse"), "text/event-stream": {"schema": SSE_EVENT}}),
         "400": _error("invalid_json: the body is not UTF-8 JSON, or not a JSON object"),
+        "408": _error(f"body_timeout: the body did not arrive within {settings.body_timeout:g} s"),
         "413": _error(f"body_too_large: the body is over {settings.max_body_bytes} bytes"),
         "415": _error("unsupported_media_type: the body is not application/json"),
         "422": _error("invalid_field or prompt_too_long; `field` names the offending field"),
         "500": _error("internal_error: an unexpected failure; the message gives the request id"),
-        "503": _error("overloaded (queue full or waited too long) or not_ready", retry_after=True),
+        "503": _error("overloaded (queue full or waited too long), not_ready, or shutting_down (the server is "
+                      "draining after SIGTERM)", retry_after=True),
     }
-    openai_paths, openai_schemas = openai_document(settings, served_model)
+    keyed = bool(settings.api_keys_file.strip())
+    openai_paths, openai_schemas = openai_document(settings, served_model, keyed)
+    metrics_responses = {"200": _ok("Prometheus text format", {"text/plain": {"schema": {"type": "string"}}})}
+    if keyed:  # auth.py: every route but the open ones needs a key
+        predict_responses["401"] = _error("unauthorized: no API key, or not a valid one (`WWW-Authenticate`)")
+        if not settings.metrics_public:
+            metrics_responses["401"] = predict_responses["401"]
     return {
         "openapi": "3.0.3",
         "info": {"title": "specdec", "version": "1",
@@ -142,16 +150,18 @@ def openapi_document(settings: Settings, served_model: str | None = None) -> dic
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/PredictRequest"}}}},
                 "responses": predict_responses,
+                **({"security": [{"bearer": []}]} if keyed else {}),
             }},
             "/healthz": {"get": {"operationId": "healthz", "summary": "The process is running",
                                  "responses": {"200": _ok("alive", json_of("Health"))}}},
             "/readyz": {"get": {"operationId": "readyz", "summary": "The models are loaded",
                                 "responses": {"200": _ok("ready", json_of("Ready")),
-                                              "503": _error("not_ready: still loading, or loading failed",
+                                              "503": _error("not_ready (still loading, or loading failed) or "
+                                                            "shutting_down (draining after SIGTERM)",
                                                             retry_after=True)}}},
             "/metrics": {"get": {"operationId": "metrics", "summary": "Prometheus metrics",
-                                 "responses": {"200": _ok("Prometheus text format",
-                                                          {"text/plain": {"schema": {"type": "string"}}})}}},
+                                 "responses": metrics_responses,
+                                 **({"security": [{"bearer": []}]} if keyed and not settings.metrics_public else {})}},
             "/openapi.json": {"get": {"operationId": "openapi", "summary": "This document",
                                       "responses": {"200": _ok("OpenAPI 3.0.3",
                                                                {"application/json": {"schema": {"type": "object"}}})}}},
@@ -159,7 +169,8 @@ def openapi_document(settings: Settings, served_model: str | None = None) -> dic
         },
         "components": {"schemas": {"PredictRequest": openapi30(request_schema(settings)),
                                    "GenerationStats": openapi30(stats_schema()),
-                                   **SCHEMAS, **openai_schemas}},
+                                   **SCHEMAS, **openai_schemas},
+                       **({"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}} if keyed else {})},
     }
 
 
@@ -181,9 +192,10 @@ OPENAI_SSE_EVENT = {"type": "object", "required": ["data"],
                         "if decoding failed after the stream started")}}}
 
 
-def openai_document(settings: Settings, served_model: str | None) -> tuple[dict, dict]:
+def openai_document(settings: Settings, served_model: str | None, keyed: bool = False) -> tuple[dict, dict]:
     """The /v1 paths and their schemas, generated from the pydantic models of openai_protocol.py (requests as
-    validated, answers as serialised), with this server's limits and model id patched in."""
+    validated, answers as serialised), with this server's limits and model id patched in; `keyed`: API keys
+    are required (auth.py)."""
     from pydantic.json_schema import models_json_schema
 
     from .openai_protocol import ANSWER_MODELS, REQUEST_MODELS
@@ -213,11 +225,15 @@ def openai_document(settings: Settings, served_model: str | None) -> tuple[dict,
                      "(a feature this server does not implement), unknown_parameter, missing_required_parameter, "
                      "context_length_exceeded or invalid_json"),
         "404": error("model_not_found: `model` is not the served model"),
+        "408": error(f"body_timeout: the body did not arrive within {settings.body_timeout:g} s"),
         "413": error(f"body_too_large: the body is over {settings.max_body_bytes} bytes"),
         "415": error("unsupported_media_type: the body is not application/json"),
         "500": error("server_error: an unexpected failure; the message gives the request id"),
-        "503": error("overloaded (queue full or waited too long) or not_ready", retry_after=True),
+        "503": error("overloaded (queue full or waited too long), not_ready, or shutting_down (draining after "
+                     "SIGTERM)", retry_after=True),
     }
+    unauthorized = {"401": error("invalid_api_key: no API key, or not a valid one (`WWW-Authenticate`)")}
+    security = {"security": [{"bearer": []}]} if keyed else {}
 
     def create(operation: str, summary: str, request: str, answer: str, chunk: str) -> dict:
         return {"post": {
@@ -225,7 +241,8 @@ def openai_document(settings: Settings, served_model: str | None) -> tuple[dict,
             "requestBody": {"required": True, "content": ref(request)},
             "responses": {"200": _ok(f"the {answer}, or with `stream` Server-Sent Events of {chunk} chunks",
                                      {**ref(answer), "text/event-stream": {"schema": OPENAI_SSE_EVENT}}),
-                          **errors},
+                          **errors, **(unauthorized if keyed else {})},
+            **security,
         }}
 
     paths = {
@@ -236,8 +253,10 @@ def openai_document(settings: Settings, served_model: str | None) -> tuple[dict,
         "/v1/models": {"get": {"operationId": "listModels", "summary": "The served model (OpenAI-compatible)",
                                "responses": {"200": _ok("the target model; the draft is in its metadata",
                                                         ref("ModelList")),
-                                             "503": error("not_ready: still loading, or loading failed",
-                                                          retry_after=True)}}},
+                                             "503": error("not_ready (still loading, or loading failed) or "
+                                                          "shutting_down (draining after SIGTERM)", retry_after=True),
+                                             **(unauthorized if keyed else {})},
+                               **security}},
     }
     return paths, schemas
 

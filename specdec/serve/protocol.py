@@ -5,6 +5,7 @@ Parsing goes body size -> content type -> JSON -> fields; each failure is an Api
 error handler turns into `{"error": {"type", "message", "field"}}`. Bounds come from specdec.params.
 """
 
+import contextlib
 import json
 import re
 import sys
@@ -15,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from ..errors import SpecDecError
 from ..params import MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SERVED_METHODS, SamplingParams
+from .concurrency import TimeLimitExceeded, time_limit
 from .config import Settings
 from .errors import ApiError
 
@@ -82,8 +84,10 @@ class PredictParams:
     stream: bool = False
 
 
-def read_json_object(request, max_bytes: int) -> dict:
-    """The body of a Flask request as a JSON object, or the ApiError (413, 415, 400) saying why not."""
+def read_json_object(request, max_bytes: int, timeout: float | None = None) -> dict:
+    """The body of a Flask request as a JSON object, or the ApiError (413, 415, 408, 400) saying why not.
+
+    A body that has not arrived within `timeout` seconds is answered 408 (under gevent; see concurrency.py)."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise ApiError(413, "body_too_large", f"the request body has {request.content_length} bytes; "
                                               f"the limit is {max_bytes}")
@@ -92,7 +96,11 @@ def read_json_object(request, max_bytes: int) -> dict:
         sent = request.headers.get("Content-Type") or "none"
         raise ApiError(415, "unsupported_media_type",
                        f"send the body as application/json (UTF-8); the Content-Type was {sent}")
-    data = request.get_data(cache=False)  # a chunked body (no Content-Length) is read up to max_bytes + 1
+    try:
+        with time_limit(timeout) if timeout else contextlib.nullcontext():
+            data = request.get_data(cache=False)  # a chunked body (no Content-Length) is read up to max_bytes + 1
+    except TimeLimitExceeded:
+        raise ApiError(408, "body_timeout", f"the request body did not arrive within {timeout:g} s") from None
     if len(data) > max_bytes:
         raise ApiError(413, "body_too_large", f"the request body is over the limit of {max_bytes} bytes")
     try:

@@ -37,8 +37,9 @@ def openapi():
 @routes.post("/predict")
 def predict():
     svc = service()
-    params = parse_predict(read_json_object(request, svc.settings.max_body_bytes), svc.settings)
-    svc.require_ready()
+    body = read_json_object(request, svc.settings.max_body_bytes, svc.settings.body_timeout)
+    params = parse_predict(body, svc.settings)
+    svc.require_ready(g.record.started)
     prompt_ids = svc.encode(params.prompt, chat=params.chat, max_new_tokens=params.sampling.max_new_tokens)
     generation = svc.generation(prompt_ids, params.sampling, g.record, params.stop, params.details)
     return svc.respond(generation, params.stream)

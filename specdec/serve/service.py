@@ -1,7 +1,9 @@
 """Request orchestration: one app's state (settings, metrics, scheduler, the resident pair) and the path of a
 request through it: encode and check the prompt, wait for the engine, start its Generation, log one line.
 
-Requests go through the engine one at a time (see scheduler.py); the routes live in routes.py.
+Requests go through the engine one at a time (see scheduler.py), on the engine's own thread (concurrency.py);
+the routes live in routes.py. After `drain` (SIGTERM, see worker.py) new requests are answered 503 while those in
+flight and queued finish.
 """
 
 import logging
@@ -14,6 +16,7 @@ from flask import Response, jsonify, request
 
 from ..params import SamplingParams
 from ..text import decoder_of, encode_messages, encode_prompt
+from .concurrency import EngineThread
 from .config import Settings
 from .errors import ApiError
 from .generation import Generation
@@ -50,7 +53,9 @@ class Service:
         self.settings = settings
         self.metrics = Metrics()
         self.scheduler = Scheduler(settings.queue_size, settings.queue_timeout, self.metrics.queue_changed)
-        self.models = ModelHost(settings, on_ready=self._ready)
+        self.engine = EngineThread()
+        self.models = ModelHost(settings, self.engine, on_ready=self._ready)
+        self.draining_since: float | None = None  # perf_counter() of drain(), the clock of RequestRecord.started
         self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe for concurrent use
 
     # --- the resident pair (see loader.py) -----------------------------------------------------------------
@@ -76,8 +81,34 @@ class Service:
     def on_load_failure(self, callback) -> None:
         self.models.on_failure(callback)
 
-    def require_ready(self) -> None:
+    def require_ready(self, started: float | None = None) -> None:
+        """503 unless the pair is loaded and the service takes the request: not draining, or the request (begun at
+        `started`, a RequestRecord's clock) came in before the drain began."""
+        self._refuse_if_draining(started)
         self.models.require_ready()
+
+    # --- draining ------------------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Take no new requests (/readyz and new generations answer 503); those in flight and queued go on."""
+        if self.draining_since is None:
+            self.draining_since = time.perf_counter()
+        self.metrics.ready.set(0)
+
+    @property
+    def draining(self) -> bool:
+        return self.draining_since is not None
+
+    @property
+    def idle(self) -> bool:
+        """No request is decoding or waiting for the engine."""
+        return not self.scheduler.busy and self.scheduler.waiting == 0
+
+    def _refuse_if_draining(self, started: float | None) -> None:
+        if self.draining_since is not None and (started is None or started >= self.draining_since):
+            raise ApiError(503, "shutting_down", "the server is shutting down; send the request again (to another "
+                                                 "replica, if there is one)",
+                           headers={"Retry-After": str(self.settings.retry_after)})
 
     # --- a request -----------------------------------------------------------------------------------------
 
@@ -115,12 +146,13 @@ class Service:
         record.prompt_tokens = len(prompt_ids)
         if sampling.seed is None:
             sampling = sampling.replace(seed=secrets.randbits(63))
+        self._refuse_if_draining(record.started)  # the one way into the engine, whichever route comes this way
         try:
             slot = self.scheduler.acquire()
         except Overloaded as error:
             raise ApiError(503, "overloaded", str(error),
                            headers={"Retry-After": str(self.settings.retry_after)}) from None
-        try:
+        try:  # arguments are checked here; decoding starts on the engine thread, at the first round
             stream = self.decoder.stream(prompt_ids, params=sampling, eos_token_id=self.models.eos_token_ids)
         except BaseException:
             slot.release()

@@ -1,0 +1,98 @@
+"""The gunicorn worker class of the service (config/gunicorn.conf.py): gunicorn's gevent worker, with
+
+- each connection a greenlet, so clients that send or read slowly, or sit idle, cost a greenlet, not a thread
+  (the engine decodes on its own OS thread, see concurrency.py);
+- a request's line and headers timed by `header_timeout` (the body by `body_timeout`, in protocol.py);
+- enough file descriptors for `worker_connections`, the soft limit raised towards the hard one if need be;
+- draining on SIGTERM: the service refuses new requests at once (503 with Retry-After, /readyz 503) but the
+  worker keeps accepting and answering until the requests in flight and queued are done, then stops as gunicorn's
+  gevent worker does, all within gunicorn's graceful_timeout.
+
+gevent patches the process itself when the worker starts (before the app is loaded), as gunicorn's own gevent
+worker does; the master is never patched.
+"""
+
+import logging
+import resource
+import time
+import warnings
+
+import gevent
+from gevent.monkey import MonkeyPatchWarning
+from gunicorn.workers.ggevent import GeventWorker
+
+logger = logging.getLogger(__name__)
+
+# descriptors the worker needs besides its connections: listeners, pipes, logs, model files, the engine's
+RESERVED_DESCRIPTORS = 128
+
+
+class Worker(GeventWorker):
+    """gunicorn's gevent worker with the service's header timeout, open-file budget and draining."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.service = None  # the app's Service, once the app is loaded
+        self.header_timeout = float(self.cfg.keepalive or 10)
+
+    def init_process(self):
+        self.worker_connections = descriptors_for(self.worker_connections)
+        super().init_process()  # patches, loads the app (the models start loading on the engine thread), runs
+
+    def patch(self):
+        with warnings.catch_warnings():
+            # The master imported the app's stack (transformers, and ssl with it) before forking this worker, so
+            # gevent warns that ssl was imported first; HTTPS from the engine thread (a hub download) works.
+            warnings.filterwarnings("ignore", "Monkey-patching ssl after ssl", MonkeyPatchWarning)
+            # gevent's scan of the loaded modules touches torch.distributed's deprecated alias
+            warnings.filterwarnings("ignore", ".*reduce_op", FutureWarning)
+            super().patch()
+
+    def load_wsgi(self):
+        super().load_wsgi()
+        self.service = self.wsgi.extensions["specdec"]
+        self.header_timeout = self.service.settings.header_timeout
+
+    def timeout_ctx(self):
+        # gunicorn times each wait for a request's head with this: a new connection's, or a kept-alive one's next
+        return gevent.Timeout(self.header_timeout, False)
+
+    def handle_exit(self, sig, frame):
+        """SIGTERM from the master: drain, then stop."""
+        if self.service is None:  # the app is not loaded yet: nothing to drain
+            super().handle_exit(sig, frame)
+            return
+        if self.service.draining:  # already on its way out
+            return
+        self.service.drain()
+        gevent.spawn(self._stop_when_idle)  # not in the signal handler itself (as gunicorn's gevent worker does)
+
+    def _stop_when_idle(self):
+        scheduler = self.service.scheduler
+        logger.info("draining: new requests are answered 503; waiting for %d in flight and %d queued",
+                    int(scheduler.busy), scheduler.waiting)
+        started = time.monotonic()
+        deadline = started + self.cfg.graceful_timeout
+        while not self.service.idle and time.monotonic() < deadline:
+            gevent.sleep(0.05)
+        logger.info("drained in %.1f s%s", time.monotonic() - started,
+                    "" if self.service.idle else " (graceful_timeout reached, requests still running)")
+        self.alive = False  # gunicorn's gevent worker closes its listeners and lets the open connections end
+
+
+def descriptors_for(connections: int) -> int:
+    """How many connections the worker can hold open: `connections` when the descriptor limit allows, after
+    raising the soft limit towards the hard one if it must; fewer (with a warning) when the hard limit is lower."""
+    wanted = connections + RESERVED_DESCRIPTORS
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        if raised > soft:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return connections
+    fewer = max(1, soft - RESERVED_DESCRIPTORS)
+    logger.warning("the open-file limit is %d (hard %d): the worker holds at most %d connections, not %d "
+                   "(raise `ulimit -n` to %d or more)", soft, hard, fewer, connections, wanted)
+    return fewer

@@ -1,0 +1,140 @@
+"""concurrency.py and worker.py without gunicorn: the engine thread (one OS thread for every call, results and
+exceptions carried back), time limits, and under gevent (in a subprocess, patched as gunicorn's worker patches):
+the event loop keeps running while the engine thread computes, and a blocked read is interrupted. Also the
+worker's open-file budget."""
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from specdec.serve.concurrency import EngineThread, gevent_patched, time_limit
+from specdec.serve.worker import RESERVED_DESCRIPTORS, descriptors_for
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_call_runs_on_one_thread_of_its_own():
+    engine = EngineThread()
+    threads = {engine.call(threading.get_ident) for _ in range(5)}
+    assert len(threads) == 1 and threading.get_ident() not in threads
+    # callers on several threads at once still meet the one engine thread
+    seen = []
+    callers = [threading.Thread(target=lambda: seen.append(engine.call(threading.get_ident))) for _ in range(4)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(10)
+    assert set(seen) == threads
+
+
+def test_results_and_exceptions_come_back_to_the_caller():
+    engine = EngineThread()
+    assert engine.call(lambda a, b: a + b, 2, 3) == 5
+    with pytest.raises(ValueError, match="bad round"):
+        engine.call(_raise, ValueError("bad round"))
+    with pytest.raises(StopIteration) as stopped:  # a generator's end, carrying its return value
+        engine.call(next, _returns(42))
+    assert stopped.value.value == 42
+    assert engine.call(lambda: "still serving") == "still serving"
+
+
+def test_a_call_from_the_engine_thread_itself_runs_at_once():
+    engine = EngineThread()  # e.g. a generation's close, run by a finalizer while the engine thread works
+    assert engine.call(lambda: engine.call(threading.get_ident)) == engine.call(threading.get_ident)
+
+
+def test_submit_returns_at_once_and_keeps_the_order():
+    engine = EngineThread()
+    release, order = threading.Event(), []
+    engine.submit(lambda: (release.wait(10), order.append("slow")))
+    engine.submit(order.append, "next")
+    assert order == []  # submit did not wait
+    release.set()
+    assert engine.call(lambda: list(order)) == ["slow", "next"]
+
+
+def test_without_gevent_a_time_limit_cannot_interrupt():
+    assert not gevent_patched()
+    with time_limit(0.01):
+        time.sleep(0.05)  # nothing to interrupt a thread with: the block runs to its end
+
+
+GEVENT_SCRIPT = textwrap.dedent("""
+    from gevent import monkey; monkey.patch_all()
+    import json, socket, threading, time
+    import gevent, torch
+    from specdec.serve.concurrency import EngineThread, TimeLimitExceeded, gevent_patched, time_limit
+
+    engine = EngineThread()
+    gaps = []
+    def ticker():
+        last = time.perf_counter()
+        while True:
+            gevent.sleep(0.01)
+            now = time.perf_counter(); gaps.append(now - last); last = now
+    ticks = gevent.spawn(ticker)
+    def compute():
+        a = torch.randn(400, 400)
+        start = time.perf_counter()
+        while time.perf_counter() - start < 1.0:
+            a = (a @ a).tanh()
+        return threading.get_native_id()
+    engine_thread = engine.call(compute)
+    loaded = threading.Event()
+    engine.submit(lambda: (time.sleep(0.2), loaded.set()))  # set from the engine thread, awaited on the loop
+    woke = loaded.wait(5)
+    ticks.kill()
+    left, right = socket.socketpair()
+    start = time.perf_counter()
+    try:
+        with time_limit(0.3):
+            left.recv(1)  # nothing ever arrives
+        interrupted = None
+    except TimeLimitExceeded:
+        interrupted = time.perf_counter() - start
+    print(json.dumps({"patched": gevent_patched(), "engine_thread": engine_thread,
+                      "loop_thread": threading.get_native_id(), "ticks": len(gaps), "max_gap": max(gaps),
+                      "woke": woke, "interrupted_after": interrupted}))
+""")
+
+
+def test_under_gevent_the_loop_runs_while_the_engine_thread_computes():
+    done = subprocess.run([sys.executable, "-c", GEVENT_SCRIPT], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=_ROOT)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["patched"] and result["engine_thread"] != result["loop_thread"]
+    assert result["ticks"] >= 40 and result["max_gap"] < 0.25, result  # a second of compute: the loop ran on
+    assert result["woke"], result
+    assert result["interrupted_after"] is not None and 0.25 < result["interrupted_after"] < 2, result
+
+
+def test_the_worker_fits_its_connections_into_the_open_file_limit():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        assert descriptors_for(1024) == 1024  # the soft limit is raised to make room
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= 1024 + RESERVED_DESCRIPTORS
+        if hard != resource.RLIM_INFINITY:  # more than the hard limit allows: fewer connections
+            assert descriptors_for(hard + 1000) == hard - RESERVED_DESCRIPTORS
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _raise(error):
+    raise error
+
+
+def _returns(value):
+    """A generator that ends at once; its StopIteration carries `value`."""
+    yield from ()
+    return value
+

@@ -1,0 +1,99 @@
+"""Slow and idle clients against the service under a real gunicorn on the tiny pair, with bench/stress.py's
+Clients and probe (smaller counts than `make stress`, still far above the 8 connections that used to stop the
+server): request heads trickled a byte a second, idle connections, streams read a byte a second. Meanwhile a
+good request must be answered within 2 s beyond its own decoding, and /healthz within 1 s. Also the header and
+body timeouts themselves."""
+
+import socket
+import time
+
+import pytest
+
+from bench import stress
+
+pytestmark = pytest.mark.xdist_group("slow-clients")
+
+HEADER_TIMEOUT = 3.0
+BODY_TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_pair_dirs):
+    server = stress.start_server(tmp_path_factory.mktemp("slow-clients"), tiny_pair_dirs, "server", delay=0.002,
+                                 queue_size=4, queue_timeout=30, retry_after=1, header_timeout=HEADER_TIMEOUT,
+                                 body_timeout=BODY_TIMEOUT)
+    yield server
+    server.stop()
+
+
+def assert_unharmed(figures: dict, count: int):
+    assert figures["all_open"] and figures["open_at_end"] == count, figures  # the clients held on throughout
+    assert figures["failures"] == 0, figures["samples"]
+    assert figures["good_requests"] >= 2 and figures["healthz_requests"] >= 10, figures
+    assert figures["good_extra_max_s"] <= 2.0 and figures["healthz_max_s"] <= 1.0, figures
+
+
+def test_request_heads_trickled_a_byte_a_second(server):
+    figures = stress.run_slow_clients(server, "slow_headers", 128, seconds=5)
+    assert_unharmed(figures, 128)
+    assert figures["closed_by_server"] >= 128, figures  # each was dropped at header_timeout (and came back)
+
+
+def test_idle_connections(server):
+    figures = stress.run_slow_clients(server, "idle", 128, seconds=5)
+    assert_unharmed(figures, 128)
+    assert figures["bytes_read"] > 0 and figures["closed_by_server"] >= 128, figures  # kept alive, then closed
+
+
+def test_streams_read_a_byte_a_second(server):
+    figures = stress.run_slow_clients(server, "slow_readers", 64, seconds=5, setup_timeout=60)
+    assert_unharmed(figures, 64)
+    assert figures["streams_started"] >= 64 and figures["bytes_read"] > 0, figures
+
+
+def _connect(server) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=30)
+
+
+def _read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data
+
+
+def test_a_request_head_that_never_ends_is_dropped_after_header_timeout(server):
+    with _connect(server) as sock:
+        start = time.monotonic()
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Unfinished: ")
+        assert _read_until_closed(sock) == b""  # closed without an answer
+        assert HEADER_TIMEOUT - 0.5 < time.monotonic() - start < HEADER_TIMEOUT + 3
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_header_timeout(server):
+    with _connect(server) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        answer = b""
+        while not answer.endswith(b'{"status":"ok"}\n'):  # the whole answer (headers and body may come apart)
+            chunk = sock.recv(65536)
+            assert chunk, answer
+            answer += chunk
+        start = time.monotonic()
+        assert answer.startswith(b"HTTP/1.1 200") and b"Connection: keep-alive" in answer
+        assert _read_until_closed(sock) == b""
+        assert HEADER_TIMEOUT - 0.5 < time.monotonic() - start < HEADER_TIMEOUT + 3
+
+
+def test_a_body_that_does_not_arrive_is_408(server):
+    with _connect(server) as sock:
+        start = time.monotonic()
+        sock.sendall(b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\nX-Request-ID: slow-body-1\r\n\r\n" + b'{"prompt": "')
+        answer = _read_until_closed(sock)  # the answer, then the server closes: the body's rest never came
+        took = time.monotonic() - start
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer
+    assert b'"type":"body_timeout"' in body and b"2 s" in body
+    assert BODY_TIMEOUT - 0.5 < took < BODY_TIMEOUT + HEADER_TIMEOUT + 3
+    assert "request_id=slow-body-1 POST /predict status=408" in server.log()
+    assert server.post(stress.GOOD).status_code == 200

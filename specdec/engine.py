@@ -381,18 +381,25 @@ class SpeculativeDecoder:
         the target where nothing was proposed), with its draws from a generator of its own, derived from
         (seed, position), and the drafters decide each position from the sequence before it alone. A round whose
         proposals are all accepted ends without a bonus token; the draft's extra forward that this costs is the
-        price of the same seed giving the same completion whatever lengths were chosen. That holds for token
-        verification; block verification judges a block jointly, so its output depends on where blocks end
-        (its samples are still exactly the target's).
+        price of the same seed giving the same completion whatever lengths were chosen.
+
+        That holds for token verification, where a round's outcome never depends on the draws of the positions
+        after its first rejection, which the next round draws again. Block verification's outcome does (its scan
+        runs from the end of the block), so drawing those positions again would reuse draws it has seen and bias
+        the next round: it draws from the request's one generator instead, and its output depends on the lengths
+        chosen, while its samples stay exactly the target's.
         """
         drafter, target = self._drafter(req, probs), CachedModel(self.target_model)
         adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile, bonus=False)
+        per_position = req.params.verification == "token"
         while req.finish_reason is None:
             start = len(req.ids)
             budget = req.budget()
             generators: dict[int, torch.Generator] = {}
 
             def generator_at(i: int) -> torch.Generator:
+                if not per_position:
+                    return req.generator
                 if i not in generators:
                     generators[i] = position_generator(req.seed, start + i)
                 return generators[i]

@@ -52,11 +52,16 @@ class Proposal:
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
     drafters: list[str] = field(default_factory=list)  # "model" | "lookup", per token
+    stacked: torch.Tensor | None = None  # probs as one (k, V) tensor, where the drafter has it so already
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, token: int, probs: torch.Tensor, drafter: str) -> None:
+    def draft_probs(self) -> torch.Tensor:
+        """(k, V): row i - 1 is q_i."""
+        return self.stacked if self.stacked is not None else torch.stack(self.probs)
+
+    def add(self, token: int, probs: torch.Tensor | None, drafter: str) -> None:
         self.tokens.append(token)
         self.probs.append(probs)
         self.drafters.append(drafter)
@@ -139,14 +144,29 @@ class LookupDrafter:
         self.min_match = settings.min_match if min_match is None else min_match
         self.index = NgramIndex(settings.max_ngram)
         self.ids: list[int] = []
+        # one-hot rows, allocated once per request and reset entry by entry: a fresh (k, V) tensor each round
+        # would cost milliseconds in page faults alone at V = 151,936
+        self._one_hots: torch.Tensor | None = None
+        self._set: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, tokens) of the entries now 1
 
     def next_token(self, seq: list[int]) -> int | None:
         """The lookup's proposal after seq (the committed tokens, then this round's proposals), or None."""
         found = self.index.match(seq, self.min_match)
         return None if found is None else self.ids[found[0] + 1]
 
-    def one_hot(self, token: int) -> torch.Tensor:
-        return torch.zeros(self.vocab_size).index_fill_(0, torch.tensor([token]), 1.0)
+    def one_hots(self, tokens: list[int]) -> torch.Tensor:
+        """(len(tokens), V): row i is 1 at tokens[i], 0 elsewhere. Valid until the next round starts."""
+        if self._one_hots is None:
+            self._one_hots = torch.zeros(self.settings.max_tokens, self.vocab_size)
+        self._clear()
+        self._set = (torch.arange(len(tokens)), torch.tensor(tokens))
+        self._one_hots[self._set] = 1.0
+        return self._one_hots[: len(tokens)]
+
+    def _clear(self) -> None:
+        if self._set is not None:
+            self._one_hots[self._set] = 0.0
+            self._set = None
 
     def start(self, ids: list[int]) -> None:
         """Index the committed sequence (only what was committed since the last round)."""
@@ -157,14 +177,18 @@ class LookupDrafter:
         """Up to min(max_tokens, limit) tokens, each continuing the match as extended by the ones before it;
         none if the sequence's suffix has no earlier occurrence. gamma (the draft model's length) is unused."""
         self.start(ids)
-        proposal, seq = Proposal(), list(ids)
+        tail = self.settings.max_ngram
+        seq = ids[-tail:]  # matching reads the last max_ngram tokens only
         for _ in range(min(self.settings.max_tokens, limit)):
             token = self.next_token(seq)
             if token is None:
                 break
-            proposal.add(token, self.one_hot(token), self.name)
             seq.append(token)
-        return proposal
+        tokens = seq[min(tail, len(ids)):]
+        if not tokens:
+            return Proposal()
+        stacked = self.one_hots(tokens)
+        return Proposal(tokens, list(stacked.unbind(0)), [self.name] * len(tokens), stacked)
 
     def rollback(self, length: int) -> None:
         """Nothing to undo: the index holds committed tokens only."""
@@ -194,13 +218,19 @@ class HybridDrafter:
             if counts[drafter] >= caps[drafter] or (proposal.drafters and drafter != proposal.drafters[0]
                                                      and not self.settings.extend):
                 break
+            q = None  # a lookup token's one-hot row is filled in below, all of them in one write
             if token is None:
                 token, q = self.model.draw(seq, generator_at(i))
-            else:
-                q = self.lookup.one_hot(token)
             proposal.add(token, q, drafter)
             counts[drafter] += 1
             seq.append(token)
+        if counts["lookup"]:
+            at = [i for i, drafter in enumerate(proposal.drafters) if drafter == "lookup"]
+            rows = self.lookup.one_hots([proposal.tokens[i] for i in at])
+            for i, row in zip(at, rows.unbind(0)):
+                proposal.probs[i] = row
+            if not counts["model"]:
+                proposal.stacked = rows
         return proposal
 
     def rollback(self, length: int) -> None:

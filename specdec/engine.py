@@ -460,7 +460,7 @@ class SpeculativeDecoder:
         if not k:
             return 0, p[0]
         x = torch.tensor(proposal.tokens, device=p.device)
-        q = torch.stack(proposal.probs).to(p.device)
+        q = proposal.draft_probs().to(p.device)
         rule = req.params.verification
         first = generator_at(0)
         if req.params.method == "deepmind" and rule == "token" and all(generator_at(i) is first for i in range(k)):

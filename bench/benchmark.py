@@ -1,12 +1,20 @@
-"""The benchmark behind `make bench`: generated tokens/s of every method on a committed prompt set.
+"""The benchmark behind `make bench`: generated tokens/s of every method on the committed prompt sets.
 
-Methods: our target-only, draft-only, Google, DeepMind and adaptive-gamma speculative decoding, and Hugging
-Face `generate` target-only and assisted generation on the models exactly as `from_pretrained` loads them.
-One more baseline, `hf_assisted_own_memory`, is HF's assisted generation with the library's own layers on
-weights copied into the process's memory (ours are; `from_pretrained` maps them from the checkpoint file):
-how much of our lead over HF is the weights' memory rather than our kernels and loop.
+Prompt sets: `default` (bench/prompts.jsonl: completion, instructions, chat, summaries) and `grounded`
+(bench/prompts_grounded.jsonl: rewriting given code, fixing a bug and returning the file, quoting a passage,
+extending a repetitive structure), each greedy and sampled (T=0.7, top-p 0.9).
+
+Our methods are named drafter-verification: `model-token` (Google speculative sampling with the draft model),
+`model-block`, `lookup-token`, `lookup-block`, `hybrid-token`, `hybrid-block`; an `-adaptive` suffix picks the
+draft length adaptively and `-deepmind` the DeepMind variant (`google`, `deepmind` and `adaptive` are the
+model-token ones); `target` and `draft` decode with one model alone. Hugging Face baselines run `generate` on
+the models exactly as `from_pretrained` loads them: `hf_lookup` (its prompt lookup, prompt_lookup_num_tokens=10),
+`hf_assisted` (assisted generation with the draft), and on request `hf_target` and `hf_assisted_own_memory`
+(assisted generation with the library's layers on weights copied into the process's memory, as ours are).
+For every speculative run, the blocks it drafted are also scored under both verification rules
+(EXPECTED_ACCEPTED): block verification's gain in accepted tokens per round on the same proposals.
 Only generated tokens count, never prompt tokens. Results go to JSON, a Markdown table and a PNG plot, with
-the command, the machine and the date.
+the command, the machine and the date; `--from-runs` rebuilds them from the runs of earlier reports.
 """
 
 import argparse
@@ -31,13 +39,21 @@ from specdec.adaptive import expected_speedup, fit_alpha
 from specdec.engine import SpeculativeDecoder
 from specdec.kv_cache import input_device
 from specdec.loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels, use_stock_kernels
+from specdec.params import DRAFTERS, VERIFICATIONS
 from specdec.text import encode_prompt
+from specdec.verification import EXPECTED_ACCEPTED
 
-OUR_METHODS = ("target", "draft", "google", "deepmind", "adaptive")
-HF_METHODS = ("hf_target", "hf_assisted", "hf_assisted_own_memory")
+SPECULATIVE = tuple(f"{drafter}-{rule}" for drafter in DRAFTERS for rule in VERIFICATIONS)
+OUR_METHODS = ("target", "draft") + SPECULATIVE
+HF_METHODS = ("hf_lookup", "hf_assisted")
+EXTRA_METHODS = ("google", "deepmind", "adaptive", "hf_target", "hf_assisted_own_memory")  # on request
+HF_ALL = ("hf_lookup", "hf_assisted", "hf_target", "hf_assisted_own_memory")
+HF_PROMPT_LOOKUP_TOKENS = 10
 MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
-         "sampling": dict(temperature=1.0, top_k=0, top_p=0.9)}
+         "sampling": dict(temperature=0.7, top_k=0, top_p=0.9)}
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
+GROUNDED_PROMPTS = Path(__file__).resolve().parent / "prompts_grounded.jsonl"
+PROMPT_SETS = {"default": DEFAULT_PROMPTS, "grounded": GROUNDED_PROMPTS}
 
 
 def load_prompts(path, limit: int | None = None) -> list[dict]:
@@ -149,6 +165,8 @@ def run_hf(method: str, draft, target, ids: list[int], max_new_tokens: int, mode
         kwargs.update(temperature=None, top_k=None, top_p=None)
     if method in ("hf_assisted", "hf_assisted_own_memory"):
         kwargs["assistant_model"] = draft
+    elif method == "hf_lookup":
+        kwargs["prompt_lookup_num_tokens"] = HF_PROMPT_LOOKUP_TOKENS
     torch.manual_seed(seed)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -157,12 +175,55 @@ def run_hf(method: str, draft, target, ids: list[int], max_new_tokens: int, mode
     return {"new_tokens": out.shape[1] - len(ids), "total_seconds": seconds}
 
 
+def our_method(method: str, gamma: int) -> dict:
+    """The generate keywords of one of our method names (see the module docstring)."""
+    aliases = {"google": "model-token", "deepmind": "model-token-deepmind", "adaptive": "model-token-adaptive"}
+    if method in ("target", "draft"):
+        return {"method": method}
+    parts = aliases.get(method, method).split("-")
+    if len(parts) < 2 or parts[0] not in DRAFTERS or parts[1] not in VERIFICATIONS \
+            or not set(parts[2:]) <= {"adaptive", "deepmind"}:
+        raise ValueError(f"unknown method {method!r}")
+    return {"method": "deepmind" if "deepmind" in parts[2:] else "google", "drafter": parts[0],
+            "verification": parts[1], "gamma": None if "adaptive" in parts[2:] else gamma}
+
+
+class BlockScorer:
+    """A round observer: each drafted block's expected accepted tokens under both rules (EXPECTED_ACCEPTED), and
+    the seconds spent scoring, which the run's timings then leave out."""
+
+    def __init__(self):
+        self.expected = {rule: 0.0 for rule in EXPECTED_ACCEPTED}
+        self.blocks = 0
+        self.seconds = 0.0
+
+    def __call__(self, draft_tokens, draft_probs, target_probs) -> None:
+        start = time.perf_counter()
+        for rule, expected in EXPECTED_ACCEPTED.items():
+            self.expected[rule] += expected(draft_tokens, draft_probs, target_probs)
+        self.blocks += 1
+        self.seconds += time.perf_counter() - start
+
+
 def run_ours(method: str, decoder: SpeculativeDecoder, ids: list[int], max_new_tokens: int, mode: dict, seed: int,
              gamma: int) -> dict:
-    engine_method = "google" if method == "adaptive" else method
-    result = decoder.generate(ids, max_new_tokens=max_new_tokens, method=engine_method,
-                              gamma=None if method == "adaptive" else gamma, seed=seed, **mode)
-    return result.stats.as_dict()
+    scorer = BlockScorer()
+    decoder.round_observer = scorer
+    try:
+        stats = decoder.generate(ids, max_new_tokens=max_new_tokens, seed=seed, **our_method(method, gamma),
+                                 **mode).stats.as_dict()
+    finally:
+        decoder.round_observer = None
+    if scorer.blocks:
+        stats["expected_accepted"] = dict(scorer.expected, blocks=scorer.blocks)
+        # the scoring is the benchmark's, not the method's: its time leaves the run's
+        for name in ("total_seconds", "other_seconds"):
+            stats[name] = max(stats[name] - scorer.seconds, 1e-9)
+        stats["tokens_per_second"] = stats["new_tokens"] / stats["total_seconds"]
+        later = stats["total_seconds"] - stats["first_chunk_seconds"]
+        if stats.get("decode_tokens_per_second") and later > 0:
+            stats["decode_tokens_per_second"] = (stats["new_tokens"] - stats["first_chunk_tokens"]) / later
+    return stats
 
 
 def _median(values):
@@ -201,16 +262,20 @@ def per_prompt(rows: dict, by_method: dict, c: float | None) -> None:
     def rate(r):
         return r["new_tokens"] / r["total_seconds"]
 
-    target, hf_assisted = keyed("target"), keyed("hf_assisted")
+    target, hf_assisted, hf_lookup = keyed("target"), keyed("hf_assisted"), keyed("hf_lookup")
     for method, row in rows.items():
         runs = keyed(method)
         speedups = [rate(r) / rate(target[k]) for k, r in runs.items() if k in target]
         if speedups:
             row["prompt_speedup_vs_target"] = statistics.median(speedups)
+            row["prompt_speedups_vs_target"] = sorted(speedups)  # the spread over prompts
         over_hf = [rate(r) / rate(hf_assisted[k]) for k, r in runs.items() if k in hf_assisted]
         if over_hf:
             row["prompt_speedup_vs_hf_assisted"] = statistics.median(over_hf)
-        if c is None or row.get("alpha") is None:
+        over_lookup = [rate(r) / rate(hf_lookup[k]) for k, r in runs.items() if k in hf_lookup]
+        if over_lookup:
+            row["prompt_speedup_vs_hf_lookup"] = statistics.median(over_lookup)
+        if c is None or row.get("alpha") is None or not row.get("model_drafter"):
             continue
         efficiencies = []
         for k, r in runs.items():
@@ -243,15 +308,32 @@ def summarise(runs: list[dict], gamma: int) -> dict:
                    "first_chunk_seconds": _median([r.get("first_chunk_seconds") for r in rs]),
                    "decode_tokens_per_second": _median([r.get("decode_tokens_per_second") for r in rs])}
             proposed = sum(r.get("proposed") or 0 for r in rs)
+            if sum(r.get("target_forwards") or 0 for r in rs):
+                row["tokens_per_target_forward"] = row["new_tokens"] / sum(r["target_forwards"] for r in rs)
             if proposed:
                 rounds = sum(r["rounds"] for r in rs)
                 row["acceptance_rate"] = sum(r["accepted"] for r in rs) / proposed
                 row["mean_gamma"] = proposed / rounds
-                row["tokens_per_target_forward"] = row["new_tokens"] / sum(r["target_forwards"] for r in rs)
                 # Leviathan's alpha (per proposal), fitted to tokens per round: accepted/proposed understates it
                 row["alpha"] = fit_alpha(row["new_tokens"] / rounds, row["mean_gamma"])
-                if c is not None:  # the bound for the measured acceptance and c at the gamma actually used
+                # the Leviathan bound describes one chain from the draft model: model drafting only
+                row["model_drafter"] = all(r.get("drafter") in (None, "model") for r in rs)
+                if c is not None and row["model_drafter"]:  # the bound at the measured alpha, c and gamma
                     row["leviathan_bound"] = leviathan_bound(row["alpha"], row["mean_gamma"], c)
+                for name in ("rounds_by_drafter", "proposed_by_drafter", "accepted_by_drafter"):
+                    totals: dict[str, int] = {}
+                    for r in rs:
+                        for drafter, n in (r.get(name) or {}).items():
+                            totals[drafter] = totals.get(drafter, 0) + n
+                    row[name] = totals
+                row["round_share_by_drafter"] = {d: n / rounds for d, n in row["rounds_by_drafter"].items()}
+                scored = [r["expected_accepted"] for r in rs if r.get("expected_accepted")]
+                if scored and sum(e["token"] for e in scored) > 0:
+                    token, block = sum(e["token"] for e in scored), sum(e["block"] for e in scored)
+                    blocks = sum(e["blocks"] for e in scored)
+                    # on the same drafted blocks: accepted tokens per round, and tokens per round (one more each)
+                    row["block_gain_accepted"] = block / token - 1
+                    row["block_gain_tokens_per_round"] = (blocks + block) / (blocks + token) - 1
             for role in ("draft", "target"):
                 ms = per_forward_ms(rs, role)
                 if ms is not None:
@@ -261,14 +343,15 @@ def summarise(runs: list[dict], gamma: int) -> dict:
                                                 / sum(r["total_seconds"] for r in rs))
             rows[method] = row
         base, hf_assisted = rows.get("target", {}).get("tokens_per_second"), rows.get("hf_assisted", {})
+        hf_lookup = rows.get("hf_lookup", {})
         hf_own = rows.get("hf_assisted_own_memory", {})
         decode_base = rows.get("target", {}).get("decode_tokens_per_second")
         # what each forward costs inside the speculative loop, against the same model decoding alone: on a CPU
         # whose cache holds one model but not both, alternating draft and target makes each dearer
         target_ms = rows.get("target", {}).get("target_ms_per_forward")
         for row in rows.values():
-            if target_ms and row.get("alpha") is not None and row.get("draft_ms_per_forward") \
-                    and row.get("target_ms_per_forward"):
+            if target_ms and row.get("alpha") is not None and row.get("model_drafter") \
+                    and row.get("draft_ms_per_forward") and row.get("target_ms_per_forward"):
                 row["in_loop_cost_ratio"] = row["draft_ms_per_forward"] / target_ms
                 row["in_loop_verification_cost"] = row["target_ms_per_forward"] / target_ms
                 row["in_loop_bound"] = leviathan_bound(row["alpha"], row["mean_gamma"], row["in_loop_cost_ratio"],
@@ -284,6 +367,8 @@ def summarise(runs: list[dict], gamma: int) -> dict:
                     row["decode_efficiency_in_loop"] = row["decode_speedup_vs_target"] / row["in_loop_bound"]
             if hf_assisted.get("tokens_per_second") and row["tokens_per_second"]:
                 row["speedup_vs_hf_assisted"] = row["tokens_per_second"] / hf_assisted["tokens_per_second"]
+            if hf_lookup.get("tokens_per_second") and row["tokens_per_second"]:
+                row["speedup_vs_hf_lookup"] = row["tokens_per_second"] / hf_lookup["tokens_per_second"]
             if hf_own.get("tokens_per_second") and row["tokens_per_second"]:
                 row["speedup_vs_hf_assisted_own_memory"] = row["tokens_per_second"] / hf_own["tokens_per_second"]
             if row.get("leviathan_bound") and row.get("speedup_vs_target"):
@@ -302,12 +387,27 @@ def markdown(report: dict) -> str:
     def fmt(value, spec=".2f"):
         return "-" if value is None else format(value, spec)
 
+    def pct(value):
+        return "-" if value is None else f"{100 * value:+.1f}%"
+
+    def shares(row):
+        share = row.get("round_share_by_drafter") or {}
+        return " / ".join(f"{share.get(d, 0):.2f}" for d in ("model", "lookup", "none")) if share else "-"
+
+    sizes = report["prompts"] if isinstance(report["prompts"], dict) else {"default": report["prompts"]}
     lines = [f"# specdec benchmark, {report['date']}", "",
              f"Command: `{report['command']}`", "",
              "Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items() if v is not None), "",
              f"Models: draft `{report['draft']}` (ours: quantization {report.get('draft_quantization', 'none')}), "
-             f"target `{report['target']}`; {report['prompts']} prompts, "
-             f"max_new_tokens {report['max_new_tokens']}, repeats {report['repeats']}, gamma {report['gamma']}.", ""]
+             f"target `{report['target']}`; prompts per set: "
+             + ", ".join(f"{name} {n}" for name, n in sizes.items())
+             + f"; max_new_tokens {report['max_new_tokens']}, repeats {report['repeats']}, gamma {report['gamma']}.",
+             "", "Methods are drafter-verification (model-token is Google speculative sampling with the draft model); "
+             f"hf_lookup is Hugging Face's prompt lookup (prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS}), "
+             "hf_assisted its assisted generation. Rounds: the share served by the draft model / the lookup / "
+             "nobody (the target alone). Block gain: on the blocks the run drafted, expected accepted tokens per "
+             "round under block verification over token verification (EXPECTED_ACCEPTED); the Leviathan bound and "
+             "efficiency are for model drafting, one chain from the draft model.", ""]
     startup = report.get("startup")
     if startup:
         gb = 1e9
@@ -322,87 +422,110 @@ def markdown(report: dict) -> str:
                      + ", ".join(f"n={n}: {fmt(ms, '.0f')} ms ({fmt(block['relative'][n])}x)"
                                  for n, ms in block["ms"].items()))
         lines.append("")
-    for mode, block in report["summary"].items():
-        lines += [f"## {mode} ({', '.join(f'{k}={v}' for k, v in MODES[mode].items())})", "",
-                  f"Measured cost ratio c (draft/target time per token): {fmt(block['cost_ratio_c'], '.3f')}", "",
-                  "| method | tokens/s | vs target | vs HF assisted | vs HF assisted, own memory | acceptance rate "
-                  "| alpha | tokens/target fwd | mean gamma | Leviathan bound | efficiency | outside forwards |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for method, row in block["methods"].items():
-            lines.append(
-                f"| {method} | {fmt(row['tokens_per_second'])} | {fmt(row.get('speedup_vs_target'))}x "
-                f"| {fmt(row.get('speedup_vs_hf_assisted'))}x | {fmt(row.get('speedup_vs_hf_assisted_own_memory'))}x "
-                f"| {fmt(row.get('acceptance_rate'))} "
-                f"| {fmt(row.get('alpha'))} "
-                f"| {fmt(row.get('tokens_per_target_forward'))} | {fmt(row.get('mean_gamma'))} "
-                f"| {fmt(row.get('leviathan_bound'))} | {fmt(row.get('efficiency'))} "
-                f"| {fmt(100 * row['outside_forward_share'] if 'outside_forward_share' in row else None, '.1f')}% |")
-        steady = {m: row for m, row in block["methods"].items() if row.get("decode_tokens_per_second")}
-        if steady:
-            lines += ["", "Steady state: the first round (prompt prefill and first proposals, or the first token) "
-                      "apart, the rate of the tokens after it, which is what the Leviathan bound describes.", "",
-                      "| method | first round (s) | decode tokens/s | vs target | decode efficiency |",
-                      "|---|---|---|---|---|"]
-            lines += [f"| {m} | {fmt(row['first_chunk_seconds'])} | {fmt(row['decode_tokens_per_second'])} "
-                      f"| {fmt(row.get('decode_speedup_vs_target'))}x | {fmt(row.get('decode_efficiency'))} |"
-                      for m, row in steady.items()]
-        paired = {m: row for m, row in block["methods"].items() if row.get("prompt_speedup_vs_target")}
-        if paired:
-            lines += ["", "Per prompt: the median over prompts of each prompt's own ratio (speedup on that prompt, and "
-                      "efficiency against the bound for that prompt's alpha, with the run's c). The efficiency above "
-                      "uses the alpha pooled over all prompts instead; the two differ when acceptance varies from "
-                      "prompt to prompt.", "",
-                      "| method | vs target | vs HF assisted | efficiency |", "|---|---|---|---|"]
-            lines += [f"| {m} | {fmt(row['prompt_speedup_vs_target'])}x "
-                      f"| {fmt(row.get('prompt_speedup_vs_hf_assisted'))}x | {fmt(row.get('prompt_efficiency'))} |"
-                      for m, row in paired.items()]
-        loop = {m: row for m, row in block["methods"].items() if row.get("draft_ms_per_forward")
-                or row.get("target_ms_per_forward")}
-        if loop:
-            lines += ["", "Where the time goes: ms per forward after each model's first (the prompt prefill). In the "
-                      "speculative loop against each model decoding alone; the in-loop bound is the Leviathan bound "
-                      "with the in-loop c and the verification forward's in-loop cost relative to a target-only "
-                      "forward.", "",
-                      "| method | draft ms/forward | target ms/forward | in-loop c | verification cost | "
-                      "in-loop bound | decode efficiency vs in-loop bound |",
-                      "|---|---|---|---|---|---|---|"]
-            lines += [f"| {m} | {fmt(row.get('draft_ms_per_forward'), '.1f')} "
-                      f"| {fmt(row.get('target_ms_per_forward'), '.1f')} | {fmt(row.get('in_loop_cost_ratio'), '.3f')} "
-                      f"| {fmt(row.get('in_loop_verification_cost'))}x | {fmt(row.get('in_loop_bound'))} "
-                      f"| {fmt(row.get('decode_efficiency_in_loop'))} |" for m, row in loop.items()]
-        if block["gamma_sweep"]:
-            lines += ["", "Speedup of Google over our target-only by gamma (greedy sweep): "
-                      + ", ".join(f"gamma {g}: {fmt(s)}x" for g, s in block["gamma_sweep"].items())]
-        lines.append("")
+    for set_name, modes in report["summary"].items():
+        for mode, block in modes.items():
+            rows = block["methods"]
+            own = any("speedup_vs_hf_assisted_own_memory" in row for row in rows.values()) \
+                and "hf_assisted_own_memory" in rows
+            lines += [f"## {set_name} prompts, {mode} ({', '.join(f'{k}={v}' for k, v in MODES[mode].items())})", "",
+                      f"Measured cost ratio c (draft/target time per token): {fmt(block['cost_ratio_c'], '.3f')}", "",
+                      "| method | tokens/s | vs target | vs HF lookup | vs HF assisted "
+                      + ("| vs HF assisted, own memory " if own else "")
+                      + "| tokens/target fwd | acceptance rate | rounds model / lookup / none | block gain "
+                      "| alpha | mean gamma | Leviathan bound | efficiency | outside forwards |",
+                      "|---|---|---|---|---" + ("|---" if own else "") + "|---|---|---|---|---|---|---|---|---|"]
+            for method, row in rows.items():
+                lines.append(
+                    f"| {method} | {fmt(row['tokens_per_second'])} | {fmt(row.get('speedup_vs_target'))}x "
+                    f"| {fmt(row.get('speedup_vs_hf_lookup'))}x | {fmt(row.get('speedup_vs_hf_assisted'))}x "
+                    + (f"| {fmt(row.get('speedup_vs_hf_assisted_own_memory'))}x " if own else "")
+                    + f"| {fmt(row.get('tokens_per_target_forward'))} | {fmt(row.get('acceptance_rate'))} "
+                    f"| {shares(row)} | {pct(row.get('block_gain_accepted'))} | {fmt(row.get('alpha'))} "
+                    f"| {fmt(row.get('mean_gamma'))} | {fmt(row.get('leviathan_bound'))} | {fmt(row.get('efficiency'))} "
+                    f"| {fmt(100 * row['outside_forward_share'] if 'outside_forward_share' in row else None, '.1f')}% |")
+            paired = {m: row for m, row in rows.items() if row.get("prompt_speedup_vs_target")}
+            if paired:
+                lines += ["", "Per prompt: the median over prompts of each prompt's own ratio (speedup on that "
+                          "prompt; the range over prompts; efficiency against the bound for that prompt's alpha, with "
+                          "the run's c). The efficiency above uses the alpha pooled over all prompts instead.", "",
+                          "| method | vs target | range over prompts | vs HF lookup | vs HF assisted | efficiency |",
+                          "|---|---|---|---|---|---|"]
+                lines += [f"| {m} | {fmt(row['prompt_speedup_vs_target'])}x "
+                          f"| {fmt(min(row['prompt_speedups_vs_target']))}-{fmt(max(row['prompt_speedups_vs_target']))}x "
+                          f"| {fmt(row.get('prompt_speedup_vs_hf_lookup'))}x "
+                          f"| {fmt(row.get('prompt_speedup_vs_hf_assisted'))}x | {fmt(row.get('prompt_efficiency'))} |"
+                          for m, row in paired.items()]
+            scored = {m: row for m, row in rows.items() if row.get("block_gain_accepted") is not None}
+            if scored:
+                lines += ["", "Block verification on the same proposals: expected accepted tokens per round, and "
+                          "tokens per round (accepted + 1), under block over token verification, on the blocks each "
+                          "run drafted.", "", "| method | accepted per round | tokens per round |", "|---|---|---|"]
+                lines += [f"| {m} | {pct(row['block_gain_accepted'])} | {pct(row['block_gain_tokens_per_round'])} |"
+                          for m, row in scored.items()]
+            steady = {m: row for m, row in rows.items() if row.get("decode_tokens_per_second")}
+            if steady:
+                lines += ["", "Steady state: the first round (prompt prefill and first proposals, or the first token) "
+                          "apart, the rate of the tokens after it, which is what the Leviathan bound describes.", "",
+                          "| method | first round (s) | decode tokens/s | vs target | decode efficiency |",
+                          "|---|---|---|---|---|"]
+                lines += [f"| {m} | {fmt(row['first_chunk_seconds'])} | {fmt(row['decode_tokens_per_second'])} "
+                          f"| {fmt(row.get('decode_speedup_vs_target'))}x | {fmt(row.get('decode_efficiency'))} |"
+                          for m, row in steady.items()]
+            loop = {m: row for m, row in rows.items() if row.get("in_loop_bound")}
+            if loop:
+                lines += ["", "Where the time goes (model drafting): ms per forward after each model's first (the "
+                          "prompt prefill), in the speculative loop against each model decoding alone; the in-loop "
+                          "bound is the Leviathan bound with the in-loop c and the verification forward's in-loop cost "
+                          "relative to a target-only forward.", "",
+                          "| method | draft ms/forward | target ms/forward | in-loop c | verification cost | "
+                          "in-loop bound | decode efficiency vs in-loop bound |",
+                          "|---|---|---|---|---|---|---|"]
+                lines += [f"| {m} | {fmt(row.get('draft_ms_per_forward'), '.1f')} "
+                          f"| {fmt(row.get('target_ms_per_forward'), '.1f')} "
+                          f"| {fmt(row.get('in_loop_cost_ratio'), '.3f')} "
+                          f"| {fmt(row.get('in_loop_verification_cost'))}x | {fmt(row.get('in_loop_bound'))} "
+                          f"| {fmt(row.get('decode_efficiency_in_loop'))} |" for m, row in loop.items()]
+            if block["gamma_sweep"]:
+                lines += ["", "Speedup of model-token over our target-only by gamma (greedy sweep): "
+                          + ", ".join(f"gamma {g}: {fmt(s)}x" for g, s in block["gamma_sweep"].items())]
+            lines.append("")
     return "\n".join(lines)
 
 
 def plot(report: dict, path: Path) -> None:
+    """One panel per prompt set: each method's median speedup over our target-only (bars, one per mode), every
+    prompt's own (dots), and the Leviathan bound of model drafting (dashed, per mode)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = list(report["summary"])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    width = 0.8 / max(len(modes), 1)
-    methods = list(dict.fromkeys(m for mode in modes for m in report["summary"][mode]["methods"]))
-    for i, mode in enumerate(modes):
-        rows = report["summary"][mode]["methods"]
-        values = [rows.get(m, {}).get("tokens_per_second") or 0 for m in methods]
-        axes[0].bar([x + i * width for x in range(len(methods))], values, width, label=mode)
-    axes[0].set_xticks([x + width * (len(modes) - 1) / 2 for x in range(len(methods))], methods, rotation=30)
-    axes[0].set_ylabel("generated tokens/s (median)")
-    axes[0].set_title("Throughput per method")
-    axes[0].legend()
-    for mode in modes:
-        sweep = report["summary"][mode]["gamma_sweep"]
-        if sweep:
-            axes[1].plot(list(map(int, sweep)), [v or 0 for v in sweep.values()], marker="o", label=mode)
-    axes[1].axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    axes[1].set_xlabel("gamma")
-    axes[1].set_ylabel("speedup over our target-only")
-    axes[1].set_title("Google speculative decoding vs gamma")
-    axes[1].legend()
+    sets = list(report["summary"])
+    fig, axes = plt.subplots(1, len(sets), figsize=(7 * len(sets), 4.8), squeeze=False)
+    colours = {"greedy": "tab:blue", "sampling": "tab:orange"}
+    for ax, set_name in zip(axes[0], sets):
+        modes = list(report["summary"][set_name])
+        methods = [m for m in dict.fromkeys(m for mode in modes for m in report["summary"][set_name][mode]["methods"])
+                   if m not in ("target", "draft")]
+        width = 0.8 / max(len(modes), 1)
+        for i, mode in enumerate(modes):
+            rows = report["summary"][set_name][mode]["methods"]
+            xs = [x + (i - (len(modes) - 1) / 2) * width for x in range(len(methods))]
+            medians = [rows.get(m, {}).get("prompt_speedup_vs_target") or rows.get(m, {}).get("speedup_vs_target")
+                       or 0 for m in methods]
+            ax.bar(xs, medians, width, color=colours.get(mode), alpha=0.75, label=f"{mode} (median)")
+            for x, m in zip(xs, methods):
+                spread = rows.get(m, {}).get("prompt_speedups_vs_target") or []
+                ax.scatter([x] * len(spread), spread, s=8, color="black", alpha=0.5, zorder=3)
+            bound = next((row["leviathan_bound"] for m, row in rows.items() if row.get("leviathan_bound")), None)
+            if bound:
+                ax.axhline(bound, color=colours.get(mode), linestyle="--", linewidth=1.2,
+                           label=f"Leviathan bound, model drafting ({mode}): {bound:.2f}x")
+        ax.axhline(1.0, color="grey", linewidth=1)
+        ax.set_xticks(range(len(methods)), methods, rotation=35, ha="right")
+        ax.set_ylabel("speedup over our target-only (per prompt)")
+        ax.set_title(f"{set_name} prompts ({report['prompts'][set_name] if isinstance(report['prompts'], dict) else report['prompts']}"
+                     f", {report['max_new_tokens']} tokens)")
+        ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -426,46 +549,58 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.benchmark", description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default=None, help="draft model (default: the default pair)")
     parser.add_argument("--target", default=None, help="target model (default: the default pair)")
-    parser.add_argument("--prompts", default=str(DEFAULT_PROMPTS))
-    parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument("--prompt-sets", default=",".join(PROMPT_SETS),
+                        help=f"comma-separated, of {', '.join(PROMPT_SETS)}, or NAME=PATH for another JSONL file")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first N prompts of each set")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="as the service's default max_new_tokens")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--modes", default="greedy,sampling")
-    parser.add_argument("--methods", default=",".join(OUR_METHODS + HF_METHODS))
-    parser.add_argument("--sweep-gammas", default="1,2,3,4,5,6", help="gammas for the greedy sweep ('' for none)")
-    parser.add_argument("--sweep-prompts", type=int, default=4, help="prompts used by the gamma sweep")
+    parser.add_argument("--methods", default=",".join(OUR_METHODS + HF_METHODS),
+                        help=f"comma-separated; also available: {', '.join(EXTRA_METHODS)}, and any of ours with "
+                             "-adaptive or -deepmind")
+    parser.add_argument("--sweep-gammas", default="", help="gammas for a greedy sweep of model-token ('' for none)")
+    parser.add_argument("--sweep-prompts", type=int, default=4, help="prompts of each set used by the gamma sweep")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--draft-quantization", default="int8", choices=DRAFT_QUANTIZATIONS,
                         help="our methods' draft, as load_pair gives it (HF baselines always use the stock draft)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--from-runs", default=None,
+                        help="comma-separated results.json files: summarise their runs instead of running")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--no-startup", dest="startup", action="store_false",
                         help="skip the start-up profile (load time and resident memory, in a fresh process)")
     return parser
 
 
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    methods = [m for m in args.methods.split(",") if m]
-    modes = [m for m in args.modes.split(",") if m]
+def prompt_sets(spec: str) -> dict[str, Path]:
+    sets = {}
+    for item in (part for part in spec.split(",") if part):
+        name, _, path = item.partition("=")
+        sets[name] = Path(path) if path else PROMPT_SETS[name]
+    return sets
+
+
+def measure(args, methods: list[str], modes: list[str], sets: dict[str, Path]) -> tuple[list[dict], dict, dict]:
+    """Run the plan; (runs, the verification cost by width, {set: number of prompts})."""
     sweep_gammas = [int(g) for g in args.sweep_gammas.split(",") if g]
-    prompts = load_prompts(args.prompts, args.limit)
+    prompts = {name: load_prompts(path, args.limit) for name, path in sets.items()}
     startup = startup_profile(args) if args.startup else None  # first, while nothing else is resident
     draft, target, tokenizer = load_pair(args.draft, args.target, device=args.device, dtype=args.dtype,
                                          cpu_kernels=False, draft_quantization="none")  # stock, for HF
-    encoded = [encode(tokenizer, item) for item in prompts]
-    verify_width = max([args.gamma] + sweep_gammas) + 1
+    encoded = {name: [encode(tokenizer, item) for item in items] for name, items in prompts.items()}
+    verify_width = max([args.gamma] + sweep_gammas + [HF_PROMPT_LOOKUP_TOKENS, 10]) + 1
     cost = {"stock": verification_cost(target, verify_width)}
     # prompt-major: every method, Hugging Face's included, runs on a prompt before the next prompt, so a shared
     # machine's drift in speed lands on all methods alike instead of on whichever ran last
-    plan = [(mode, method, i, rep, None) for mode in modes for i in range(len(prompts)) for rep in range(args.repeats)
-            for method in methods]
-    plan += [("greedy", "google", i, 0, g) for i in range(min(args.sweep_prompts, len(prompts)))
-             for g in sweep_gammas if "greedy" in modes]
-    planned = {method for _, method, *_ in plan}
-    if planned & {*OUR_METHODS, "hf_assisted_own_memory"}:
+    plan = [(name, mode, method, i, rep, None) for name in prompts for mode in modes
+            for i in range(len(prompts[name])) for rep in range(args.repeats) for method in methods]
+    plan += [(name, "greedy", "model-token", i, 0, g) for name in prompts
+             for i in range(min(args.sweep_prompts, len(prompts[name]))) for g in sweep_gammas if "greedy" in modes]
+    planned = {step[2] for step in plan}
+    decoder = None
+    if planned - {"hf_target", "hf_assisted", "hf_lookup"}:
         decoder = SpeculativeDecoder(ours_draft(draft, args.draft_quantization), ours_target(target), tokenizer)
         if decoder.target_model is not target:
             cost["ours"] = verification_cost(decoder.target_model, verify_width)
@@ -474,26 +609,47 @@ def main(argv=None) -> int:
         else draft
 
     runs = []
-    for mode, method, i, rep, sweep_gamma in tqdm(plan, desc="bench", unit="run", file=sys.stderr):
+    for name, mode, method, i, rep, sweep_gamma in tqdm(plan, desc="bench", unit="run", file=sys.stderr):
         seed = args.seed + 1000 * rep + i
+        ids = encoded[name][i]
         if method == "hf_assisted_own_memory":
             with stock_layers(decoder.target_model) as own_target:
-                stats = run_hf(method, own_draft, own_target, encoded[i], args.max_new_tokens, MODES[mode], seed)
-        elif method in HF_METHODS:  # both models as from_pretrained loads them
-            stats = run_hf(method, draft, target, encoded[i], args.max_new_tokens, MODES[mode], seed)
+                stats = run_hf(method, own_draft, own_target, ids, args.max_new_tokens, MODES[mode], seed)
+        elif method in HF_ALL:  # both models as from_pretrained loads them
+            stats = run_hf(method, draft, target, ids, args.max_new_tokens, MODES[mode], seed)
         else:
-            stats = run_ours(method, decoder, encoded[i], args.max_new_tokens, MODES[mode], seed,
-                             sweep_gamma or args.gamma)
-        runs.append({"mode": mode, "method": method, "prompt": prompts[i]["id"], "repeat": rep,
+            stats = run_ours(method, decoder, ids, args.max_new_tokens, MODES[mode], seed, sweep_gamma or args.gamma)
+        runs.append({"set": name, "mode": mode, "method": method, "prompt": prompts[name][i]["id"], "repeat": rep,
                      "sweep_gamma": sweep_gamma, **{k: v for k, v in stats.items() if k != "method"}})
+    return runs, cost, {name: len(items) for name, items in prompts.items()}
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    methods = [m for m in args.methods.split(",") if m]
+    for method in methods:
+        if method not in HF_ALL:
+            our_method(method, args.gamma)  # an unknown name fails here, before any model loads
+    modes = [m for m in args.modes.split(",") if m]
+    if args.from_runs:
+        earlier = [json.loads(Path(path).read_text(encoding="utf-8")) for path in args.from_runs.split(",")]
+        runs = [run for report in earlier for run in report["runs"]]
+        cost = earlier[0].get("verification_cost", {})
+        sizes: dict[str, int] = {}
+        for run in runs:
+            run.setdefault("set", "default")
+            sizes.setdefault(run["set"], len({r["prompt"] for r in runs if r.get("set", "default") == run["set"]}))
+    else:
+        runs, cost, sizes = measure(args, methods, modes, prompt_sets(args.prompt_sets))
 
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m bench.benchmark"] + (argv if argv is not None else sys.argv[1:])),
               "machine": machine_info(), "draft": args.draft or "default", "target": args.target or "default",
-              "draft_quantization": args.draft_quantization,
-              "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-              "gamma": args.gamma, "startup": startup, "verification_cost": cost,
-              "summary": summarise(runs, args.gamma), "runs": runs}
+              "draft_quantization": args.draft_quantization, "prompts": sizes,
+              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "gamma": args.gamma,
+              "startup": startup, "verification_cost": cost,
+              "summary": {name: summarise([r for r in runs if r["set"] == name], args.gamma) for name in sizes},
+              "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")

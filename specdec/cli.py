@@ -2,6 +2,7 @@
 
     python main.py --input "def quicksort(xs):" -M 32 -v          # all methods, tokens coloured by source
     python main.py --method google --temperature 0 --chat --input "Reverse a list in Python"
+    python main.py --method google --drafter hybrid --verification block --input "..."
 
 Flags of the earlier tool are kept (--input, --target_model_name, --approx_model_name, -v, -s, -M, -g, -b).
 Without model flags the default pair is used. This is the only module that prints.
@@ -14,23 +15,27 @@ import random
 import sys
 
 from .errors import SpecDecError
-from .params import MAX_GAMMA, METHODS, MIN_TEMPERATURE, SamplingParams
+from .params import DRAFTERS, MAX_GAMMA, METHODS, MIN_TEMPERATURE, VERIFICATIONS, SamplingParams
 from .stats import GenerationStats, summed
 from .text import decoder_of, encode_prompt, token_pieces
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_INPUT = "Any recommendations for my holidays in Abu Dhabi?"  # the earlier tool's default prompt
-ALL_ORDER = METHODS  # --method all runs them in the earlier tool's order: target, draft, deepmind, google
+ALL_ORDER = METHODS  # --method all runs them in the earlier tool's order: target, draft, deepmind, google, then
+# google with each drafter other than --drafter's, labelled method+drafter
 TITLES = {
     "target": "target only (autoregressive)",
     "draft": "draft only (autoregressive)",
     "deepmind": "DeepMind speculative sampling (Chen et al. 2023)",
     "google": "Google speculative sampling (Leviathan et al. 2023)",
 }
+DRAFTER_TITLES = {"model": "the draft model proposing", "lookup": "prompt lookup proposing",
+                  "hybrid": "prompt lookup where it matches, the draft model elsewhere"}
 # source -> (plain-text mark, ANSI colour, legend text)
 SOURCE_STYLES = {
     "draft": ("d", "32", "draft token accepted by the target"),
+    "lookup": ("l", "36", "prompt-lookup token accepted by the target"),
     "resampled": ("r", "34", "resampled by the target after a rejection"),
     "bonus": ("b", "35", "bonus token from the target (all proposals accepted)"),
     "target": ("t", "33", "sampled by one model alone (target or draft only)"),
@@ -85,7 +90,8 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
                         metavar="NAME",
                         help="draft: hub id, model folder, .gguf file or alias (default: the default pair's)")
     parser.add_argument("--method", default="all", choices=("all",) + ALL_ORDER,
-                        help="decoding method; all runs target, draft, deepmind and google in turn (default)")
+                        help="decoding method; all runs target, draft, deepmind and google in turn, then google with "
+                             "the other drafters (default)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="mark each token by its source (coloured on a terminal) and log progress")
     parser.add_argument("-s", "--seed", type=_checked(int, lambda s: s >= 0, "must be a non-negative integer"),
@@ -94,6 +100,13 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
                         default=20, help="tokens to generate (default 20)")
     parser.add_argument("-g", "--gamma", type=_gamma, default=4,
                         help="draft tokens proposed per round, or auto for adaptive (default 4)")
+    parser.add_argument("--drafter", default=SamplingParams.drafter, choices=DRAFTERS,
+                        help="who proposes: the draft model, prompt lookup, or hybrid (lookup where it matches, the "
+                             f"model elsewhere); --method all adds google with the others (default "
+                             f"{SamplingParams.drafter})")
+    parser.add_argument("--verification", default=SamplingParams.verification, choices=VERIFICATIONS,
+                        help="token (token by token) or block (the block jointly, Sun et al. 2025) (default "
+                             f"{SamplingParams.verification})")
     parser.add_argument("--temperature", type=_sampling_flag("temperature", float, f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}"),
                         default=1.0, help="0 is greedy (default 1.0)")
     parser.add_argument("--top_k", type=_sampling_flag("top_k", int, "must be an integer >= 0"), default=20,
@@ -153,18 +166,33 @@ def stats_line(stats: GenerationStats) -> str:
             f"{_number(stats.tokens_per_target_forward, '.2f')} tokens per target forward")
 
 
-def sampling_params(args, method: str, seed: int) -> SamplingParams:
+def sampling_params(args, method: str, seed: int, drafter: str | None = None) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_tokens, method=method, gamma=args.gamma,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed)
+                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
+                          drafter=drafter or args.drafter, verification=args.verification)
 
 
-def benchmark(decoder, prompt, methods, args, seed: int) -> list[dict]:
-    """Each method `args.repeats` times (seeds seed, seed+1, ...): generated tokens/s and speedup over target."""
+def decodings(args) -> list[tuple[str, str, str]]:
+    """(label, method, drafter) of each decoding to run: the chosen method with --drafter, or with --method all
+    every method, then google with each other drafter (labelled google+lookup, google+hybrid, ...)."""
+    if args.method != "all":
+        return [(args.method, args.method, args.drafter)]
+    runs = [(method, method, args.drafter) for method in ALL_ORDER]
+    return runs + [(f"google+{drafter}", "google", drafter) for drafter in DRAFTERS if drafter != args.drafter]
+
+
+def title(label: str, method: str, drafter: str) -> str:
+    return TITLES[method] + (f", {DRAFTER_TITLES[drafter]}" if "+" in label else "")
+
+
+def benchmark(decoder, prompt, runs, args, seed: int) -> list[dict]:
+    """Each (label, method, drafter) `args.repeats` times (seeds seed, seed+1, ...): generated tokens/s and speedup
+    over target."""
     rows = []
-    for method in methods:
-        runs = [decoder.generate(prompt, params=sampling_params(args, method, seed + i)).stats
-                for i in range(args.repeats)]
-        rows.append({"method": method, **summed(runs)})
+    for label, method, drafter in runs:
+        stats = [decoder.generate(prompt, params=sampling_params(args, method, seed + i, drafter)).stats
+                 for i in range(args.repeats)]
+        rows.append({"method": label, **summed(stats)})
     baseline = next(row["tokens_per_second"] for row in rows if row["method"] == "target")
     for row in rows:
         speed = row["tokens_per_second"]
@@ -173,10 +201,10 @@ def benchmark(decoder, prompt, methods, args, seed: int) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'method':<10} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'speedup':>8} {'acceptance':>11}"]
+    lines = [f"{'method':<14} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'speedup':>8} {'acceptance':>11}"]
     for row in rows:
         speedup = "-" if row["speedup"] is None else f"{row['speedup']:.2f}x"
-        lines.append(f"{row['method']:<10} {row['tokens']:>7} {row['seconds']:>8.2f} "
+        lines.append(f"{row['method']:<14} {row['tokens']:>7} {row['seconds']:>8.2f} "
                      f"{_number(row['tokens_per_second'], '.2f'):>9} {speedup:>8} "
                      f"{_number(row['acceptance_rate'], '.2f'):>11}")
     return "\n".join(lines)
@@ -199,17 +227,18 @@ def run(args, out=None) -> int:
         raise SpecDecError("the target's tokenizer has no chat template; drop --chat", field="chat")
     prompt = encode_prompt(tokenizer, args.input, args.chat)
     decode = decoder_of(tokenizer)
-    methods = ALL_ORDER if args.method == "all" else (args.method,)
+    runs = decodings(args)
     seed = args.seed if args.seed is not None else random.randrange(2**31)  # one seed for all methods
     color = use_color(out)
 
     if args.verbose:
         print(f"prompt: {len(prompt)} tokens, seed {seed}, gamma {'auto' if args.gamma is None else args.gamma}, "
-              f"temperature {args.temperature}, top_k {args.top_k}, top_p {args.top_p}", file=out)
+              f"temperature {args.temperature}, top_k {args.top_k}, top_p {args.top_p}, drafter {args.drafter}, "
+              f"verification {args.verification}", file=out)
         print(legend(SOURCE_STYLES, color), file=out)
-    for method in methods:
-        result = decoder.generate(prompt, params=sampling_params(args, method, seed))
-        print(f"== {method}: {TITLES[method]} ==", file=out)
+    for label, method, drafter in runs:
+        result = decoder.generate(prompt, params=sampling_params(args, method, seed, drafter))
+        print(f"== {label}: {title(label, method, drafter)} ==", file=out)
         if args.verbose:
             print(render_sources(token_pieces(decode, result.token_ids, prompt), result.sources, color), file=out)
         else:
@@ -217,9 +246,9 @@ def run(args, out=None) -> int:
         print(stats_line(result.stats), file=out)
 
     if args.benchmark:
-        bench_methods = ("target",) + tuple(m for m in methods if m != "target")
+        bench_runs = [("target", "target", args.drafter)] + [run for run in runs if run[0] != "target"]
         print(f"== benchmark: {args.repeats} runs per method, {args.max_tokens} tokens each ==", file=out)
-        print(format_table(benchmark(decoder, prompt, bench_methods, args, seed)), file=out)
+        print(format_table(benchmark(decoder, prompt, bench_runs, args, seed)), file=out)
     return 0
 
 

@@ -1,7 +1,9 @@
-"""The decoding engine: draft proposes gamma tokens, target verifies them in one forward, caches roll back.
+"""The decoding engine: a drafter proposes tokens, the target scores them in one forward, a verification rule
+keeps a prefix, caches roll back.
 
-Batch size 1. The engine knows nothing about text: token ids in, token ids with their provenance and stats
-out. Nothing here prints; per-round detail goes to the DEBUG log.
+Batch size 1. The engine knows nothing about text, nor which drafter (drafters.py) or rule (verification.py)
+it holds: token ids in, token ids with their provenance and stats out. Nothing here prints; per-round detail
+goes to the DEBUG log.
 """
 
 import logging
@@ -12,19 +14,22 @@ from dataclasses import dataclass
 
 import torch
 
+from . import verification
 from .adaptive import AdaptiveGamma, CostProfile
+from .drafters import SOURCES, HybridDrafter, LookupDrafter, LookupSettings, ModelDrafter, Proposal
 from .errors import SpecDecError
 from .kv_cache import CachedModel, context_length
-from .params import ADAPTIVE_MAX_GAMMA, MAX_GAMMA, METHODS, MIN_TEMPERATURE, SPECULATIVE_METHODS, SamplingParams
+from .params import (ADAPTIVE_MAX_GAMMA, DRAFTERS, MAX_GAMMA, METHODS, MIN_TEMPERATURE, SPECULATIVE_METHODS,
+                     VERIFICATIONS, SamplingParams)
 from .sampling import logits_to_probs, sample
 from .stats import GenerationStats
-from .verification import accept_mask, num_accepted, residual_probs
+from .verification import accept_mask
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ADAPTIVE_MAX_GAMMA", "MAX_GAMMA", "METHODS", "MIN_TEMPERATURE", "SPECULATIVE_METHODS", "Chunk",
-           "GenerationResult", "GenerationStats", "SamplingParams", "SpeculativeDecoder", "Stream",
-           "check_vocabularies", "eos_token_ids"]
+__all__ = ["ADAPTIVE_MAX_GAMMA", "DRAFTERS", "MAX_GAMMA", "METHODS", "MIN_TEMPERATURE", "SPECULATIVE_METHODS",
+           "VERIFICATIONS", "Chunk", "GenerationResult", "GenerationStats", "LookupSettings", "SamplingParams",
+           "SpeculativeDecoder", "Stream", "check_vocabularies", "eos_token_ids"]
 
 
 @dataclass
@@ -114,6 +119,9 @@ class _Request:
         self.accepted = 0
         self.accepted_per_position: list[int] = []
         self.rounds = 0
+        self.proposed_by_drafter: dict[str, int] = {}
+        self.accepted_by_drafter: dict[str, int] = {}
+        self.rounds_by_drafter: dict[str, int] = {}  # by the drafter of each round's first proposal, or "none"
         self.forwards = {"draft": 0, "target": 0}
         self.seconds = {"draft": 0.0, "target": 0.0}
         self.prefill_seconds = {"draft": 0.0, "target": 0.0}  # each model's first forward: the prompt prefill
@@ -144,10 +152,15 @@ class _Request:
         self.forwards[role] += 1
         return logits
 
-    def record_round(self, proposed: int, accepted: int) -> None:
-        self.proposed += proposed
+    def record_round(self, proposal: Proposal, accepted: int) -> None:
+        self.proposed += len(proposal)
         self.accepted += accepted
         self.rounds += 1
+        for counts, drafters in ((self.proposed_by_drafter, proposal.drafters),
+                                 (self.accepted_by_drafter, proposal.drafters[:accepted])):
+            for drafter in drafters:
+                counts[drafter] = counts.get(drafter, 0) + 1
+        self.rounds_by_drafter[proposal.drafter] = self.rounds_by_drafter.get(proposal.drafter, 0) + 1
         if accepted > len(self.accepted_per_position):
             self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
         for i in range(accepted):
@@ -176,8 +189,11 @@ class _Request:
         target_forwards = self.forwards["target"]
         first_seconds, first_tokens = self.first_chunk or (total, new)
         later = total - first_seconds
+        speculative = self.params.speculative
         return GenerationStats(
-            method=self.params.method, gamma=self.params.gamma if self.params.speculative else None,
+            method=self.params.method, gamma=self.params.gamma if speculative else None,
+            drafter=self.params.drafter if speculative else None,
+            verification=self.params.verification if speculative else None,
             seed=self.seed, prompt_tokens=self.prompt_len, new_tokens=new, proposed=self.proposed,
             accepted=self.accepted, acceptance_rate=self.accepted / self.proposed if self.proposed else None,
             tokens_per_target_forward=new / target_forwards if target_forwards else None, rounds=self.rounds,
@@ -189,7 +205,11 @@ class _Request:
             tokens_per_second=new / total if total > 0 else None, first_chunk_seconds=first_seconds,
             first_chunk_tokens=first_tokens,
             decode_tokens_per_second=(new - first_tokens) / later if new > first_tokens and later > 0 else None,
-            accepted_per_position=list(self.accepted_per_position), finished=finished)
+            accepted_per_position=list(self.accepted_per_position),
+            proposed_by_drafter=dict(self.proposed_by_drafter), accepted_by_drafter=dict(self.accepted_by_drafter),
+            rounds_by_drafter=dict(self.rounds_by_drafter),
+            round_share_by_drafter={d: n / self.rounds for d, n in self.rounds_by_drafter.items()},
+            finished=finished)
 
     def result(self) -> GenerationResult:
         return GenerationResult(self.ids[self.prompt_len:], list(self.sources), self.finish_reason or "length",
@@ -222,7 +242,7 @@ class Stream(Generator):
 class SpeculativeDecoder:
     """Exact speculative decoding for a draft/target pair of Hugging Face causal LMs sharing a vocabulary."""
 
-    def __init__(self, draft_model, target_model, tokenizer=None):
+    def __init__(self, draft_model, target_model, tokenizer=None, lookup: LookupSettings = LookupSettings()):
         self.draft_model = draft_model.eval()
         self.target_model = target_model.eval()
         self.vocab_size = check_vocabularies(draft_model, target_model, tokenizer)
@@ -230,16 +250,24 @@ class SpeculativeDecoder:
         self.context_length = min(limits) if limits else None
         # measured forward costs of this pair on this machine, kept across requests for adaptive gamma
         self.cost_profile = CostProfile()
+        self.lookup = lookup  # prompt lookup's knobs, for the lookup and hybrid drafters
+        # called as round_observer(draft_tokens, draft_probs, target_probs) with every block before it is
+        # verified (target_probs: the k rows p_1..p_k); the benchmark compares the rules on the same blocks
+        self.round_observer = None
 
     def generate(self, input_ids, max_new_tokens: int = 64, method: str = "google", gamma: int | None = 4,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 eos_token_id=None, *, params: SamplingParams | None = None) -> GenerationResult:
+                 eos_token_id=None, *, drafter: str = SamplingParams.drafter,
+                 verification: str = SamplingParams.verification,
+                 params: SamplingParams | None = None) -> GenerationResult:
         """Decode up to max_new_tokens after input_ids. gamma=None chooses the draft length adaptively.
 
-        `params`, if given, is used instead of the sampling keywords (max_new_tokens .. seed)."""
+        drafter: "model" (the draft model), "lookup" (prompt lookup) or "hybrid" (lookup where it matches, the
+        model elsewhere); verification: "token" or "block". `params`, if given, is used instead of the sampling
+        keywords (max_new_tokens .. seed, drafter, verification)."""
         stream = self.stream(input_ids, max_new_tokens=max_new_tokens, method=method, gamma=gamma,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-                             params=params)
+                             drafter=drafter, verification=verification, params=params)
         while True:
             try:
                 next(stream)
@@ -248,7 +276,8 @@ class SpeculativeDecoder:
 
     def stream(self, input_ids, max_new_tokens: int = 64, method: str = "google", gamma: int | None = 4,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               eos_token_id=None, *, params: SamplingParams | None = None) -> Stream:
+               eos_token_id=None, *, drafter: str = SamplingParams.drafter,
+               verification: str = SamplingParams.verification, params: SamplingParams | None = None) -> Stream:
         """Like `generate`, but yields each round's committed tokens as a Chunk and returns the GenerationResult.
 
         Arguments are checked here, before decoding starts. `send("stop")` ends decoding with finish_reason
@@ -257,7 +286,8 @@ class SpeculativeDecoder:
         prompt = self._prompt(input_ids)
         if params is None:
             params = SamplingParams(max_new_tokens=max_new_tokens, method=method, gamma=gamma,
-                                    temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                                    temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, drafter=drafter,
+                                    verification=verification)
         elif not isinstance(params, SamplingParams):
             raise SpecDecError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
         seed = int.from_bytes(os.urandom(8), "little") >> 1 if params.seed is None else params.seed % 2**64
@@ -305,115 +335,147 @@ class SpeculativeDecoder:
             if (yield req.commit([token], ["target"])) == "stop":
                 req.finish_reason = "stop"
 
+    def _drafter(self, req: _Request, probs: "_Warper"):
+        """The request's drafter, as its params name it; it owns the draft model's cache, if it uses one."""
+        def forward(model: CachedModel, tokens: list[int]) -> torch.Tensor:
+            return req.forward("draft", model, tokens)
+
+        kind = req.params.drafter
+        lookup = LookupDrafter(self.vocab_size, self.lookup,
+                               min_match=self.lookup.hybrid_min_match if kind == "hybrid" else None)
+        if kind == "lookup":
+            return lookup
+        model = ModelDrafter(CachedModel(self.draft_model), probs, forward)
+        return model if kind == "model" else HybridDrafter(model, lookup, self.lookup)
+
     def _speculate(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:
-        """Google (Leviathan et al. Alg. 1) or DeepMind (Chen et al. Alg. 2) speculative sampling, fixed gamma."""
-        draft, target = CachedModel(self.draft_model), CachedModel(self.target_model)
+        """Google (Leviathan et al. Alg. 1) or DeepMind (Chen et al. Alg. 2) speculative sampling, fixed gamma:
+        the drafter proposes up to gamma tokens (the lookup up to its own maximum), the target scores them and
+        the bonus position in one forward, the verification rule keeps a prefix and gives the next token's
+        distribution."""
+        drafter, target = self._drafter(req, probs), CachedModel(self.target_model)
         generator = req.generator
         while req.finish_reason is None:
-            k_max = min(req.params.gamma, req.budget() - 1)  # never propose past max_new_tokens or the context
+            limit = req.budget() - 1  # never propose past max_new_tokens or the context
             before = dict(req.seconds), dict(req.forwards)
 
-            # 1. the draft proposes k_max tokens autoregressively (its first forward catches up on new tokens)
-            draft_tokens, draft_dists = self._propose(req, draft, probs, k_max, lambda i: generator)
+            # 1. the drafter proposes x_1..x_k with the distributions q_1..q_k they were drawn from
+            proposal = drafter.propose(req.ids, req.params.gamma, limit, lambda i: generator)
+            k = len(proposal)
 
-            # 2. the target scores all k_max + 1 positions in one forward: p_1 .. p_{k+1}
-            p = probs(req.forward("target", target, req.ids[target.length:] + draft_tokens, keep=k_max + 1))
+            # 2. the target scores all k + 1 positions in one forward: p_1 .. p_{k+1}
+            p = probs(req.forward("target", target, req.ids[target.length:] + proposal.tokens, keep=k + 1))
 
-            # 3. accept a prefix of the proposals, then resample at the first rejection or take the bonus token
-            accepted = 0
-            if k_max:
-                q = torch.stack(draft_dists).to(p.device)
-                x = torch.tensor(draft_tokens, device=p.device)
-                accepted = self._verify(req.params.method, x, q, p[:k_max], lambda i: generator)
-            if accepted < k_max:
-                token, source = sample(residual_probs(p[accepted], q[accepted]), generator), "resampled"
-            else:
-                token, source = sample(p[k_max], generator), "bonus"
-            chunk = req.commit(draft_tokens[:accepted] + [token], ["draft"] * accepted + [source])
-            if (yield self._end_round(req, draft, target, chunk, k_max, accepted, k_max + 1, before)) == "stop":
+            # 3. keep a prefix of the proposals, then draw the next token (resampled, or the bonus after all k)
+            accepted, next_probs = self._verify(req, proposal, p, lambda i: generator)
+            chunk = req.commit(proposal.tokens[:accepted] + [sample(next_probs, generator)],
+                               self._sources(proposal, accepted, k))
+            if (yield self._end_round(req, drafter, target, chunk, proposal, accepted, k + 1, before)) == "stop":
                 req.finish_reason = "stop"
 
     def _speculate_adaptive(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:
         """Speculative sampling with the draft length chosen each round from measured costs (adaptive.py).
 
         The draft length depends on wall-clock timings, so the output must not depend on it: every position's
-        token goes through the same steps (the draft proposes it, the target accepts it or resamples from the
-        residual), with its draws from a generator of its own, derived from (seed, position). A round whose
-        proposals are all accepted ends without a bonus token; the draft's extra forward that this costs is
-        the price of the same seed giving the same completion whatever lengths were chosen.
+        token goes through the same steps (proposed, then accepted or resampled from the residual, or drawn by
+        the target where nothing was proposed), with its draws from a generator of its own, derived from
+        (seed, position), and the drafters decide each position from the sequence before it alone. A round whose
+        proposals are all accepted ends without a bonus token; the draft's extra forward that this costs is the
+        price of the same seed giving the same completion whatever lengths were chosen.
+
+        That holds for token verification, where a round's outcome never depends on the draws of the positions
+        after its first rejection, which the next round draws again. Block verification's outcome does (its scan
+        runs from the end of the block), so drawing those positions again would reuse draws it has seen and bias
+        the next round: it draws from the request's one generator instead, and its output depends on the lengths
+        chosen, while its samples stay exactly the target's.
         """
-        draft, target = CachedModel(self.draft_model), CachedModel(self.target_model)
+        drafter, target = self._drafter(req, probs), CachedModel(self.target_model)
         adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile, bonus=False)
+        per_position = req.params.verification == "token"
         while req.finish_reason is None:
             start = len(req.ids)
-            k = min(adaptive.choose() + 1, req.budget())  # verified proposals; the target's width is the same
-            generators = [position_generator(req.seed, start + i) for i in range(k)]
-            before = dict(req.seconds), dict(req.forwards)
+            budget = req.budget()
+            generators: dict[int, torch.Generator] = {}
 
-            draft_tokens, draft_dists = self._propose(req, draft, probs, k, generators.__getitem__)
-            p = probs(req.forward("target", target, req.ids[target.length:] + draft_tokens[:-1], keep=k))
-            q = torch.stack(draft_dists).to(p.device)
-            x = torch.tensor(draft_tokens, device=p.device)
-            accepted = self._verify(req.params.method, x, q, p, generators.__getitem__)
-            tokens, sources = draft_tokens[:accepted], ["draft"] * accepted
-            if accepted < k:
-                tokens.append(sample(residual_probs(p[accepted], q[accepted]), generators[accepted]))
-                sources.append("resampled")
-            chunk = req.commit(tokens, sources)
-            adaptive.update(k - 1, min(accepted, k - 1))
-            if (yield self._end_round(req, draft, target, chunk, k, accepted, k, before)) == "stop":
+            def generator_at(i: int) -> torch.Generator:
+                if not per_position:
+                    return req.generator
+                if i not in generators:
+                    generators[i] = position_generator(req.seed, start + i)
+                return generators[i]
+
+            before = dict(req.seconds), dict(req.forwards)
+            # the draft model proposes gamma + 1 tokens (its last replaces the bonus); the target's width is k
+            proposal = drafter.propose(req.ids, adaptive.choose() + 1, budget, generator_at)
+            k = len(proposal)
+            if k:
+                p = probs(req.forward("target", target, req.ids[target.length:] + proposal.tokens[:-1], keep=k))
+                # no bonus row (all k accepted ends the round): a zero row stands in for it, never drawn from
+                accepted, next_probs = self._verify(req, proposal, torch.cat((p, p.new_zeros(1, p.size(-1)))),
+                                                    generator_at)
+            else:  # nothing proposed: the target draws this position's token alone
+                p = probs(req.forward("target", target, req.ids[target.length:], keep=1))
+                accepted, next_probs = 0, p[0]
+            tokens = proposal.tokens[:accepted]
+            if accepted < k or not k:
+                tokens.append(sample(next_probs, generator_at(accepted)))
+            chunk = req.commit(tokens, self._sources(proposal, accepted, k)[: len(tokens)])
+            if k and set(proposal.drafters) == {"model"}:
+                # alpha is the draft model's: rounds the lookup served say nothing about it
+                adaptive.update(k - 1, min(accepted, k - 1))
+            if (yield self._end_round(req, drafter, target, chunk, proposal, accepted, max(k, 1), before)) == "stop":
                 req.finish_reason = "stop"
 
     @staticmethod
-    def _propose(req: _Request, draft: CachedModel, probs: "_Warper", k: int, generator_at):
-        """k draft tokens, drawn autoregressively, and the distributions q they were drawn from."""
-        tokens, dists = [], []
-        feed = req.ids[draft.length:]  # the first forward catches up on the tokens committed since
-        for i in range(k):
-            q = probs(req.forward("draft", draft, feed)[-1])
-            token = sample(q, generator_at(i))
-            tokens.append(token)
-            dists.append(q)
-            feed = [token]
-        return tokens, dists
+    def _sources(proposal: Proposal, accepted: int, k: int) -> list[str]:
+        """Provenance of a round's committed tokens: the accepted proposals by drafter, then the target's token."""
+        return [SOURCES[d] for d in proposal.drafters[:accepted]] + ["resampled" if accepted < k else "bonus"]
 
-    def _end_round(self, req: _Request, draft: CachedModel, target: CachedModel, chunk: Chunk, proposed: int,
+    def _end_round(self, req: _Request, drafter, target: CachedModel, chunk: Chunk, proposal: Proposal,
                    accepted: int, width: int, before: tuple[dict, dict]) -> Chunk:
         """Count the round, roll both caches back to the committed prefix, feed the decoder's cost profile."""
-        req.record_round(proposed, accepted)
+        req.record_round(proposal, accepted)
         # the newest committed token is fed next round
         target.rollback(len(req.ids) - 1)
-        draft.rollback(len(req.ids) - 1)
+        drafter.rollback(len(req.ids) - 1)
         # every round's costs feed the profile, except the first: its forwards include both prompt prefills
         # and say nothing about per-token cost
         spent = {role: (req.seconds[role] - before[0][role], req.forwards[role] - before[1][role])
                  if req.rounds > 1 else (0.0, 0) for role in ("draft", "target")}
         self.cost_profile.record(*spent["draft"], *spent["target"], width=width)
-        logger.debug("round %d: proposed=%d accepted=%d committed=%d", req.rounds, proposed, accepted,
-                     len(chunk.token_ids))
+        logger.debug("round %d: drafter=%s proposed=%d accepted=%d committed=%d", req.rounds, proposal.drafter,
+                     len(proposal), accepted, len(chunk.token_ids))
         return chunk
 
-    @staticmethod
-    def _verify(variant: str, x: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator_at) -> int:
-        """Number of accepted proposals under the shared rejection rule.
+    def _verify(self, req: _Request, proposal: Proposal, p: torch.Tensor, generator_at) -> tuple[int, torch.Tensor]:
+        """(tau, next_probs) under the request's verification rule (verification.py), p with k + 1 rows.
 
-        Google draws all gamma uniforms at once and finds the first rejection with one tensor op; DeepMind
-        walks the proposals in order, one uniform each, and stops at the first rejection (Chen et al. Alg. 2).
-        `generator_at(i)` is the generator of proposal i's draws.
+        The variants differ in how they draw the uniforms. Google draws all k at once; DeepMind, under the token
+        rule, walks the proposals in order, one uniform each, and stops at the first rejection (Chen et al.
+        Alg. 2). Block verification scans the block from its end, so it needs all k uniforms at once, and then
+        the two variants draw alike. With per-position generators (adaptive gamma) each uniform comes from its
+        position's generator, so the variants draw alike there too. `generator_at(i)` is proposal i's generator.
         """
-        if variant == "google":
-            first = generator_at(0)
-            if all(generator_at(i) is first for i in range(len(x))):
-                uniforms = torch.rand(len(x), generator=first, dtype=torch.float64)
-            else:
-                uniforms = torch.cat([torch.rand(1, generator=generator_at(i), dtype=torch.float64)
-                                      for i in range(len(x))])
-            return num_accepted(accept_mask(x, q, p, uniforms))
-        for t in range(len(x)):
-            uniform = torch.rand(1, generator=generator_at(t), dtype=torch.float64)
-            if not bool(accept_mask(x[t:t + 1], q[t:t + 1], p[t:t + 1], uniform)[0]):
-                return t
-        return len(x)
+        k = len(proposal)
+        if not k:
+            return 0, p[0]
+        x = torch.tensor(proposal.tokens, device=p.device)
+        q = proposal.draft_probs().to(p.device)
+        rule = req.params.verification
+        first = generator_at(0)
+        if req.params.method == "deepmind" and rule == "token" and all(generator_at(i) is first for i in range(k)):
+            uniforms = torch.zeros(k, dtype=torch.float64)  # entries after the first rejection are never read
+            for t in range(k):
+                uniforms[t] = torch.rand(1, generator=first, dtype=torch.float64)
+                if not bool(accept_mask(x[t:t + 1], q[t:t + 1], p[t:t + 1], uniforms[t:t + 1])[0]):
+                    break
+        elif all(generator_at(i) is first for i in range(k)):
+            uniforms = torch.rand(k, generator=first, dtype=torch.float64)
+        else:
+            uniforms = torch.cat([torch.rand(1, generator=generator_at(i), dtype=torch.float64) for i in range(k)])
+        if self.round_observer is not None:
+            self.round_observer(x, q, p[:k])
+        return verification.VERIFIERS[rule](x, q, p, uniforms)
 
 
 class _Warper:

@@ -11,6 +11,8 @@ from .errors import SpecDecError
 METHODS = ("target", "draft", "deepmind", "google")  # target, draft: one model alone (baselines)
 SPECULATIVE_METHODS = ("google", "deepmind")
 SERVED_METHODS = ("google", "deepmind", "target")  # what a request or the service configuration may pick
+DRAFTERS = ("model", "lookup", "hybrid")  # who proposes: the draft model, prompt lookup, or lookup else the model
+VERIFICATIONS = ("token", "block")  # the rule that judges a proposal: token by token, or the block jointly
 MAX_GAMMA = 64  # a hard bound on proposals per round; adaptive gamma stays far below it
 ADAPTIVE_MAX_GAMMA = 8
 MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32; 0 means greedy
@@ -22,7 +24,8 @@ class SamplingParams:
     """How to decode one request. Checked when built: a bad value raises SpecDecError naming the field.
 
     gamma None chooses the draft length adaptively; temperature 0 is greedy; top_k 0 and top_p 1 cut nothing;
-    seed None draws a random seed (the stats report the one used).
+    seed None draws a random seed (the stats report the one used). `drafter` and `verification` matter to the
+    speculative methods only: who proposes (drafters.py) and which rule verifies (verification.py).
     """
 
     max_new_tokens: int = 64
@@ -32,10 +35,14 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    drafter: str = "model"
+    verification: str = "token"
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise SpecDecError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}", field="method")
+        for name, allowed in (("method", METHODS), ("drafter", DRAFTERS), ("verification", VERIFICATIONS)):
+            if getattr(self, name) not in allowed:
+                raise SpecDecError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}",
+                                   field=name)
         _integer(self.max_new_tokens, "max_new_tokens", 1)
         if self.gamma is not None:
             _integer(self.gamma, "gamma", 1, MAX_GAMMA)

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field, fields
 class GenerationStats(Mapping):
     method: str
     gamma: int | None  # None: adaptive, or a method without proposals
+    drafter: str | None  # "model" | "lookup" | "hybrid"; None: a method without proposals
+    verification: str | None  # "token" | "block"; None: a method without proposals
     seed: int
     prompt_tokens: int
     new_tokens: int  # generated tokens only, never the prompt's
@@ -38,6 +40,13 @@ class GenerationStats(Mapping):
     decode_tokens_per_second: float | None
     # accepted_per_position[i]: rounds whose draft token at position i (0-based) was accepted
     accepted_per_position: list[int] = field(default_factory=list)
+    # per drafter ("model", "lookup"): tokens it proposed, and of those the target accepted
+    proposed_by_drafter: dict[str, int] = field(default_factory=dict)
+    accepted_by_drafter: dict[str, int] = field(default_factory=dict)
+    # rounds each drafter served (the drafter of a round's first proposal; "none": nothing was proposed, the
+    # target drew the token alone), as counts and as shares of all rounds
+    rounds_by_drafter: dict[str, int] = field(default_factory=dict)
+    round_share_by_drafter: dict[str, float] = field(default_factory=dict)
     finished: bool = True  # False: abandoned (client gone, error) before the engine returned
     queue_seconds: float | None = None  # the service's wait for the engine; None outside the service
 

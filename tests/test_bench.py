@@ -19,51 +19,93 @@ def test_prompt_set_is_committed_and_varied():
     assert {p["category"] for p in prompts} == {"code_completion", "code_instruction", "chat", "summarize"}
 
 
+def test_grounded_prompt_set_is_committed_and_mixed():
+    prompts = bench.load_prompts(bench.GROUNDED_PROMPTS)
+    assert len(prompts) >= 16 and len({p["id"] for p in prompts}) == len(prompts)
+    assert len({p["category"] for p in prompts}) >= 4
+
+
+def test_method_names_map_to_drafter_rule_and_variant():
+    assert bench.our_method("hybrid-block", 4) == {"method": "google", "drafter": "hybrid", "verification": "block",
+                                                   "gamma": 4}
+    assert bench.our_method("lookup-token-adaptive-deepmind", 4)["gamma"] is None
+    assert bench.our_method("google", 4) == bench.our_method("model-token", 4)
+    assert bench.our_method("target", 4) == {"method": "target"}
+    with pytest.raises(ValueError):
+        bench.our_method("ngram-token", 4)
+
+
 def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     draft, target = tiny_pair_dirs
+    grounded = tmp_path / "grounded.jsonl"  # short enough for the tiny models' 256 positions, and repetitive
+    grounded.write_text("".join(json.dumps({"id": f"g{i}", "category": "extend", "prompt": text, "chat": False}) + "\n"
+                                for i, text in enumerate(["ab ab ab ab ab ab ab", "x = 1\nx = 1\nx = 1\n",
+                                                          "def f(): return f()\ndef f(): return f()\n"])))
     out = tmp_path / "results"
+    methods = bench.OUR_METHODS + bench.HF_METHODS + ("google", "hf_assisted_own_memory")
     assert bench.main(["--draft", draft, "--target", target, "--limit", "3", "--max-new-tokens", "6",
+                       "--prompt-sets", f"default,grounded={grounded}", "--methods", ",".join(methods),
                        "--sweep-gammas", "1,3", "--sweep-prompts", "2", "--out", str(out)]) == 0
     report = json.loads((out / "results.json").read_text())
     assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
     table = (out / "results.md").read_text()
-    assert "| google |" in table and "| hf_assisted |" in table and report["machine"]["torch"]
+    assert "| hybrid-block |" in table and "| hf_lookup |" in table and report["machine"]["torch"]
+    assert "## grounded prompts, sampling" in table and "## default prompts, greedy" in table
     assert "| hf_assisted_own_memory |" in table and "vs HF assisted, own memory" in table
     startup = report["startup"]  # measured in a process of its own
     assert 0 < startup["load_pair_seconds"] <= startup["ready_seconds"]
     assert 0 < startup["weights_bytes"] < startup["steady_rss"] <= startup["peak_rss"]
     assert any(row["step"].startswith("start-up: read the target's weights") for row in startup["steps"])
     assert "Start-up (a fresh process, `python -m bench.startup" in table and "x the " in table
-    for mode in ("greedy", "sampling"):
-        block = report["summary"][mode]
-        assert set(block["methods"]) == set(bench.OUR_METHODS + bench.HF_METHODS)
-        assert block["methods"]["target"]["speedup_vs_target"] == 1.0
-        google = block["methods"]["google"]
-        assert 0 <= google["acceptance_rate"] <= 1
-        assert google["leviathan_bound"] > 0 and google["efficiency"] > 0 and google["prompt_efficiency"] > 0
-        assert block["cost_ratio_c"] > 0
-        assert block["methods"]["target"]["decode_speedup_vs_target"] == 1.0
-        assert google["first_chunk_seconds"] > 0 and google["decode_efficiency"] > 0
-        assert block["methods"]["hf_assisted"]["decode_tokens_per_second"] is None  # generate gives no rounds
-        own = block["methods"]["hf_assisted_own_memory"]
-        assert own["tokens_per_second"] > 0 and google["speedup_vs_hf_assisted_own_memory"] > 0
-    assert "decode efficiency" in table and "Per prompt" in table
-    assert set(report["summary"]["greedy"]["gamma_sweep"]) == {"1", "3"}  # JSON object keys
+    assert report["prompts"] == {"default": 3, "grounded": 3}
+    for set_name in ("default", "grounded"):
+        for mode in ("greedy", "sampling"):
+            block = report["summary"][set_name][mode]
+            assert set(block["methods"]) == set(methods)
+            rows = block["methods"]
+            assert rows["target"]["speedup_vs_target"] == 1.0 and rows["target"]["tokens_per_target_forward"] == 1.0
+            google = rows["google"]
+            assert 0 <= google["acceptance_rate"] <= 1
+            assert google["leviathan_bound"] > 0 and google["efficiency"] > 0 and google["prompt_efficiency"] > 0
+            assert block["cost_ratio_c"] > 0
+            assert google["first_chunk_seconds"] > 0 and google["decode_efficiency"] > 0
+            assert rows["hf_assisted"]["decode_tokens_per_second"] is None  # generate gives no rounds
+            assert rows["hf_lookup"]["tokens_per_second"] > 0 and google["speedup_vs_hf_lookup"] > 0
+            assert rows["hf_assisted_own_memory"]["tokens_per_second"] > 0
+            for method in bench.SPECULATIVE:
+                row = rows[method]
+                assert row["speedup_vs_target"] > 0 and row["tokens_per_target_forward"] >= 1
+                assert sum(row["round_share_by_drafter"].values()) == pytest.approx(1.0)
+                assert len(row["prompt_speedups_vs_target"]) == 3  # the spread over prompts, for the plot
+                assert ("leviathan_bound" in row) == method.startswith("model")  # one chain from the draft model
+            assert set(rows["lookup-token"]["round_share_by_drafter"]) <= {"lookup", "none"}
+            # the same proposals scored under both rules: block never expects fewer accepted tokens
+            assert rows["model-token"]["block_gain_accepted"] >= -1e-9
+        grounded_rows = report["summary"]["grounded"]["greedy"]["methods"]
+        assert grounded_rows["lookup-token"]["round_share_by_drafter"].get("lookup", 0) > 0
+    assert "decode efficiency" in table and "Per prompt" in table and "Block verification on the same" in table
+    assert set(report["summary"]["default"]["greedy"]["gamma_sweep"]) == {"1", "3"}  # JSON object keys
     assert report["draft_quantization"] == "int8" and "quantization int8" in table
     # prompt-major order: every method, HF's included, runs on a prompt before the next one (drift hits all
     # methods alike)
-    every = bench.OUR_METHODS + bench.HF_METHODS
-    greedy = [(r["prompt"], r["method"]) for r in report["runs"] if r["mode"] == "greedy" and r["sweep_gamma"] is None]
-    for start in range(0, len(greedy), len(every)):
-        assert [m for _, m in greedy[start:start + len(every)]] == list(every)
-        assert len({p for p, _ in greedy[start:start + len(every)]}) == 1
+    greedy = [(r["set"], r["prompt"], r["method"]) for r in report["runs"]
+              if r["mode"] == "greedy" and r["sweep_gamma"] is None]
+    for start in range(0, len(greedy), len(methods)):
+        assert [m for *_, m in greedy[start:start + len(methods)]] == list(methods)
+        assert len({(s, p) for s, p, _ in greedy[start:start + len(methods)]}) == 1
     # where the time goes: per-forward costs without the prefill, in the loop and alone
-    google, target_row = report["summary"]["greedy"]["methods"]["google"], report["summary"]["greedy"]["methods"]["target"]
-    assert google["draft_ms_per_forward"] > 0 and target_row["target_ms_per_forward"] > 0
-    assert google["in_loop_bound"] > 0 and google["decode_efficiency_in_loop"] > 0
+    rows = report["summary"]["default"]["greedy"]["methods"]
+    assert rows["google"]["draft_ms_per_forward"] > 0 and rows["target"]["target_ms_per_forward"] > 0
+    assert rows["google"]["in_loop_bound"] > 0 and rows["google"]["decode_efficiency_in_loop"] > 0
     assert "in-loop bound" in table
     # generated tokens only: never more than max_new_tokens per run
     assert all(0 < run["new_tokens"] <= 6 for run in report["runs"])
+    # the report rebuilds from its runs
+    again = tmp_path / "again"
+    assert bench.main(["--from-runs", str(out / "results.json"), "--max-new-tokens", "6", "--out", str(again)]) == 0
+    rebuilt = json.loads((again / "results.json").read_text())
+    assert rebuilt["summary"]["grounded"]["greedy"]["methods"]["hybrid-token"] == \
+        report["summary"]["grounded"]["greedy"]["methods"]["hybrid-token"]
 
 
 def test_linear_micro_benchmark_runs_on_small_shapes():

@@ -15,7 +15,7 @@ from tests.support.models import make_tokenizer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STATS = re.compile(r"^\d+ tokens \| [\d.]+ tokens/s \| acceptance (-|[\d.]+) \| (-|[\d.]+) tokens per target forward$",
                    re.M)
-SECTION = re.compile(r"^== (\w+): [^\n]* ==\n(.*?)\n(?=\d+ tokens \|)", re.M | re.S)
+SECTION = re.compile(r"^== ([\w+]+): [^\n]* ==\n(.*?)\n(?=\d+ tokens \|)", re.M | re.S)
 
 
 @pytest.fixture(scope="module")
@@ -39,18 +39,34 @@ def test_each_method_prints_its_completion_and_stats(pair_args, capsys, method):
     assert "def add(a, b):" not in out  # the completion only, not the prompt
 
 
-def test_all_runs_the_earlier_tools_order(pair_args, capsys):
+def test_all_runs_the_earlier_tools_order_then_the_other_drafters(pair_args, capsys):
     assert main(pair_args) == 0
     out = capsys.readouterr().out
-    assert list(completions(out)) == ["target", "draft", "deepmind", "google"]
-    assert len(STATS.findall(out)) == 4
+    assert list(completions(out)) == ["target", "draft", "deepmind", "google", "google+lookup", "google+hybrid"]
+    assert len(STATS.findall(out)) == 6
+    assert main(pair_args + ["--drafter", "lookup"]) == 0
+    assert list(completions(capsys.readouterr().out))[3:] == ["google", "google+model", "google+hybrid"]
 
 
 def test_greedy_speculative_output_is_the_targets_greedy_text(pair_args, capsys):
     assert main(pair_args + ["--temperature", "0", "-M", "24"]) == 0
     texts = completions(capsys.readouterr().out)
     assert texts["google"] == texts["target"] and texts["deepmind"] == texts["target"]
+    assert texts["google+lookup"] == texts["target"] and texts["google+hybrid"] == texts["target"]
     assert texts["target"]
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "hybrid"])
+def test_drafter_and_block_verification_flags_keep_greedy_equivalence(pair_args, capsys, drafter):
+    common = pair_args + ["--temperature", "0", "-M", "24", "--input", "abcabcabcabc", "-v"]
+    assert main(common + ["--method", "target"]) == 0
+    target = capsys.readouterr().out.split(" ==\n", 1)[1].splitlines()[0]
+    assert main(common + ["--method", "google", "--drafter", drafter, "--verification", "block"]) == 0
+    out = capsys.readouterr().out
+    assert f"drafter {drafter}, verification block" in out
+    marked = out.split(" ==\n", 1)[1].splitlines()[0]
+    assert re.sub(r"\[\w:", "[", marked) == re.sub(r"\[\w:", "[", target)  # the same tokens, other marks
+    assert "l" in re.findall(r"\[([dlrbt]):", marked)  # the lookup proposed accepted tokens (marked l)
 
 
 def test_unquantized_draft_keeps_greedy_equivalence(pair_args, capsys):
@@ -64,7 +80,7 @@ def test_verbose_marks_each_token_by_source(pair_args, capsys):
     out = capsys.readouterr().out
     assert "legend:" in out and "\x1b[" not in out  # captured output is not a terminal: marks, not colours
     marked = out.split(" ==\n", 1)[1].splitlines()[0]
-    marks = re.findall(r"\[([drbt]):", marked)
+    marks = re.findall(r"\[([dlrbt]):", marked)
     assert marks and set(marks) <= {"d", "r", "b"}
     assert "seed 7" in out
 
@@ -101,6 +117,8 @@ def test_benchmark_prints_speedup_over_target(pair_args, capsys):
     (["--top_p", "1.5"], "top_p"),
     (["-M", "0"], "max_tokens"),
     (["--method", "beam"], "method"),
+    (["--drafter", "ngram"], "drafter"),
+    (["--verification", "tree"], "verification"),
     (["--dtype", "int4"], "dtype"),
     (["--draft_quantization", "int4"], "draft_quantization"),
     (["--device", "tpu9"], "device"),
@@ -137,8 +155,8 @@ def test_colour_only_on_a_terminal_without_no_color():
     assert use_color(Terminal(), {}) is True
     assert use_color(Terminal(), {"NO_COLOR": "1"}) is False
     assert use_color(io.StringIO(), {}) is False
-    coloured = render_sources(["a", "b", "c"], ["draft", "resampled", "bonus"], color=True)
-    assert coloured == "\x1b[32ma\x1b[0m\x1b[34mb\x1b[0m\x1b[35mc\x1b[0m"
+    coloured = render_sources(["a", "b", "c", "d"], ["draft", "resampled", "bonus", "lookup"], color=True)
+    assert coloured == "\x1b[32ma\x1b[0m\x1b[34mb\x1b[0m\x1b[35mc\x1b[0m\x1b[36md\x1b[0m"
     assert render_sources(["a", "b"], ["target", "draft"], color=False) == "[t:a][d:b]"
 
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from specdec import SpecDecError, SpeculativeDecoder
+from specdec.drafters import LookupDrafter, LookupSettings, NgramIndex
 from specdec.kv_cache import CachedModel
+from specdec.params import DRAFTERS, VERIFICATIONS
 from tests.support.models import ARCHITECTURES, make_model, make_tokenizer, perturbed_copy
 
 PROMPT = [3, 1, 4, 1, 5]
@@ -35,6 +37,23 @@ def test_greedy_equals_target_greedy(arch, method):
         assert result.token_ids == reference.token_ids, (arch, method, gamma)
         accepted, proposed = accepted + result.stats["accepted"], proposed + result.stats["proposed"]
     assert 0 < accepted < proposed  # the test exercised both acceptances and rejections
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_equals_target_greedy_for_every_drafter_and_rule(arch):
+    target = make_model(arch, seed=0, initializer_range=0.1)
+    decoder = SpeculativeDecoder(perturbed_copy(target, noise=0.3), target)
+    reference = decoder.generate(PROMPT, max_new_tokens=40, method="target", temperature=0).token_ids
+    accepted: dict[str, int] = {}
+    for drafter in DRAFTERS:
+        for rule in VERIFICATIONS:
+            for method, gamma in (("google", 1), ("deepmind", 3), ("google", 6), ("deepmind", None)):
+                result = decoder.generate(PROMPT, max_new_tokens=40, method=method, gamma=gamma, temperature=0,
+                                          drafter=drafter, verification=rule)
+                assert result.token_ids == reference, (arch, drafter, rule, method, gamma)
+                for name, count in result.stats.accepted_by_drafter.items():
+                    accepted[name] = accepted.get(name, 0) + count
+    assert accepted["lookup"] > 0 and accepted["model"] > 0  # both drafters had proposals accepted
 
 
 def test_target_greedy_equals_hf_generate(pair):
@@ -297,3 +316,122 @@ def test_speculative_rounds_feed_the_decoders_cost_profile(pair):
     adaptive = decoder.generate(PROMPT, max_new_tokens=20, method="deepmind", gamma=None, temperature=0)
     assert adaptive.token_ids == result.token_ids  # greedy: the same output whatever gamma adaptive picks
     assert sum(n for _, n in profile.target_by_width.values()) > result.stats["rounds"] - 1
+
+
+# --- drafters -------------------------------------------------------------------------------------------------
+
+def test_ngram_index_finds_the_most_recent_longest_match():
+    index = NgramIndex(max_ngram=3)
+    ids = [5, 1, 2, 3, 9, 1, 2, 7, 4, 1, 2]
+    index.update(ids[:6])
+    assert index.indexed == 5 and index.match([1], 1) == (1, 1)  # the 1 at position 5 has no next token yet
+    index.update(ids)
+    assert index.match(ids, 1) == (6, 2)  # (1, 2) last ended at 6 with a next token (7); the one at 10 has none
+    assert index.match(ids + [7], 1) == (7, 3)  # (1, 2, 7) -> 4 follows
+    assert index.match(ids + [3], 1) == (3, 3)  # the longest suffix wins: (1, 2, 3) at 1..3
+    assert index.match([8, 8], 1) is None and index.match(ids, 3) is None  # (4, 1, 2) never had a next token
+    rescanned = NgramIndex(max_ngram=3)
+    rescanned.update(ids)
+    assert rescanned.last == index.last  # incremental updates index exactly what one pass does
+
+
+def test_lookup_proposes_the_continuation_of_the_match_with_one_hot_distributions():
+    lookup = LookupDrafter(16, LookupSettings(max_ngram=2, max_tokens=4))
+    ids = [1, 2, 3, 4, 5, 9, 1, 2]
+    proposal = lookup.propose(ids, gamma=1, limit=10)
+    assert proposal.tokens == [3, 4, 5, 9] and proposal.drafters == ["lookup"] * 4  # max_tokens, not gamma
+    for token, q in zip(proposal.tokens, proposal.probs):
+        assert q.shape == (16,) and q[token] == 1 and q.sum() == 1
+    assert lookup.propose(ids, gamma=1, limit=2).tokens == [3, 4]
+    assert lookup.propose([1, 2, 3, 7], gamma=4, limit=4).tokens == []  # 7 never occurred before
+    strict = LookupDrafter(16, LookupSettings(max_ngram=2), min_match=2)
+    assert strict.propose([1, 2, 3, 1, 7, 1], gamma=1, limit=3).tokens == []  # only 1-gram matches
+    assert strict.propose([1, 2, 3, 1, 2], gamma=1, limit=3).tokens == [3, 1, 2]
+
+
+def test_hybrid_uses_lookup_where_it_matches_and_the_model_elsewhere():
+    target = make_model("llama", seed=0, initializer_range=0.1)
+    decoder = SpeculativeDecoder(target, target)  # every proposal of the model is accepted
+    prompt = [7, 8, 9, 10, 11, 12, 7, 8]
+    greedy = decoder.generate(prompt, max_new_tokens=30, method="target", temperature=0).token_ids
+    result = decoder.generate(prompt, max_new_tokens=30, gamma=3, temperature=0, drafter="hybrid")
+    assert result.token_ids == greedy
+    stats = result.stats
+    assert stats.rounds_by_drafter.get("lookup", 0) >= 1 and stats.rounds_by_drafter.get("model", 0) >= 1
+    assert sum(stats.round_share_by_drafter.values()) == pytest.approx(1.0)
+    assert sum(stats.proposed_by_drafter.values()) == stats.proposed
+    assert sum(stats.accepted_by_drafter.values()) == stats.accepted
+    assert stats.accepted_by_drafter["model"] == result.sources.count("draft")
+    assert stats.accepted_by_drafter.get("lookup", 0) == result.sources.count("lookup")
+    assert stats.drafter == "hybrid" and stats.verification == "token"
+    # the first round is the lookup's: (7, 8) occurred before, followed by 9, 10, ...
+    first = next(iter(decoder.stream(prompt, max_new_tokens=30, gamma=3, temperature=0, drafter="hybrid")))
+    assert first.sources[0] in ("lookup", "resampled")
+
+
+def test_lookup_rounds_leave_the_draft_cache_to_catch_up_in_one_forward(monkeypatch):
+    target = make_model("llama", seed=0, initializer_range=0.1)
+    decoder = SpeculativeDecoder(perturbed_copy(target, noise=0.0), target)  # the target's weights, its own object
+    fed = []
+    original = CachedModel.forward
+
+    def spy(self, tokens, keep=1):
+        if self.model is decoder.draft_model:
+            fed.append(len(tokens))
+        return original(self, tokens, keep)
+
+    monkeypatch.setattr(CachedModel, "forward", spy)
+    prompt = [7, 8, 9, 10, 11, 12, 7, 8]
+    result = decoder.generate(prompt, max_new_tokens=30, gamma=2, temperature=0, drafter="hybrid")
+    assert result.stats.draft_forwards == len(fed) < result.stats.accepted_by_drafter["model"] + len(fed)
+    assert max(fed[1:]) > 2  # a model round after lookup rounds fed what it missed in one forward
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "hybrid"])
+def test_adaptive_gamma_with_lookup_is_reproducible_whatever_lengths_it_chooses(pair, monkeypatch, drafter):
+    """Token verification: each position's proposer and draws depend on the sequence before it and (seed,
+    position) only, so neither the draft model's lengths nor the lookup's cap change the completion."""
+    target = make_model("llama", seed=0, initializer_range=0.1)
+    draft = perturbed_copy(target, noise=0.05)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1]
+    runs = []
+    for lengths, max_tokens in (([1], 1), ([6], 10), ([2, 5, 1, 3], 3)):
+        schedule = iter(lengths * 100)
+        monkeypatch.setattr("specdec.engine.AdaptiveGamma.choose", lambda self: next(schedule))
+        decoder = SpeculativeDecoder(draft, target, lookup=LookupSettings(max_tokens=max_tokens))
+        runs.append(decoder.generate(prompt, max_new_tokens=30, gamma=None, temperature=0.3, seed=11, drafter=drafter))
+    assert len({tuple(run.token_ids) for run in runs}) == 1
+    assert len({run.stats.target_forwards for run in runs}) > 1  # the rounds did differ
+    assert all(run.stats.accepted_by_drafter.get("lookup", 0) > 0 for run in runs)
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+@pytest.mark.parametrize("rule", VERIFICATIONS)
+def test_every_drafter_and_rule_respects_max_new_tokens_and_reports_itself(decoder, drafter, rule):
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1]
+    for gamma in (4, None):
+        result = decoder.generate(prompt, max_new_tokens=13, gamma=gamma, seed=2, drafter=drafter, verification=rule)
+        assert len(result.token_ids) == len(result.sources) == 13
+        assert set(result.sources) <= {"draft", "lookup", "resampled", "bonus"}
+        assert (result.stats.drafter, result.stats.verification) == (drafter, rule)
+        assert result.stats.rounds == sum(result.stats.rounds_by_drafter.values())
+    baseline = decoder.generate(prompt, max_new_tokens=3, method="target", drafter=drafter).stats
+    assert baseline.drafter is None and baseline.rounds_by_drafter == {}
+
+
+def test_bad_drafter_or_rule_names_the_field(decoder):
+    for kwargs, field in (({"drafter": "ngram"}, "drafter"), ({"verification": "tree"}, "verification")):
+        with pytest.raises(SpecDecError) as err:
+            decoder.generate(PROMPT, **kwargs)
+        assert err.value.field == field
+
+
+def test_round_observer_sees_each_verified_block(decoder):
+    blocks = []
+    decoder.round_observer = lambda x, q, p: blocks.append((x.clone(), q.shape, p.shape))
+    try:
+        result = decoder.generate(PROMPT, max_new_tokens=12, gamma=3, seed=0, verification="block")
+    finally:
+        decoder.round_observer = None
+    assert len(blocks) == result.stats.rounds - (result.stats.rounds_by_drafter.get("none", 0))
+    assert all(q == p and q[0] == len(x) for x, q, p in blocks)

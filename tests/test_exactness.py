@@ -5,6 +5,12 @@ plain forwards and transformers' own warpers; 20,000 draws per variant and setti
 by a chi-square goodness-of-fit test. Seeds are fixed, so the test is deterministic. A deliberately wrong
 rule (resampling from p instead of the residual) must fail the same test: it has power.
 
+Every drafter (model, lookup, hybrid) under both verification rules passes the same test under the six
+settings, with fewer draws (DRAFTER_SAMPLES): the wrong rule still fails by a wide margin at that size, for
+each drafter (tested), and a deliberately wrong block verification fails too. Lookup needs repeated n-grams,
+so those tests start from a repetitive prompt, and assert from the stats that the lookup proposed and was
+accepted.
+
 The many-sample tests use TinyCausalLM (a one-layer model on a real DynamicCache, ~10x cheaper per forward
 than a library model); one test repeats the check on a transformers Llama with its own cache.
 """
@@ -26,7 +32,11 @@ from tests.support.tiny_lm import TinyCausalLM
 VOCAB = 8
 LENGTH = 3
 PROMPT = [1, 2]
+# the lookup proposes 6, 7 here (the target gives them 0.46 and 0.35 at t1), and after a rejection matches only
+# some n-grams, so the lookup, the draft model and the target alone each serve rounds
+LOOKUP_PROMPT = [7, 4, 6, 7, 4]
 SAMPLES = 20_000
+DRAFTER_SAMPLES = 2_000  # the wrong rule's p-value is far below 1e-6 for every drafter at this size (tested)
 SETTINGS = {  # name: (temperature, top_k, top_p)
     "t0.7": (0.7, 0, 1.0),
     "t1": (1.0, 0, 1.0),
@@ -43,13 +53,26 @@ def pair():
 
 
 @pytest.fixture(scope="module")
+def close_pair():
+    """A draft close to the target (its weights plus noise): it is accepted 30-60% of the time under every
+    setting, so block verification's inner prefixes and the hybrid's model rounds are exercised."""
+    target = TinyCausalLM(VOCAB, seed=0, scale=0.5).eval()
+    draft = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.2)
+    return draft, target
+
+
+@pytest.fixture(scope="module")
 def llama_pair():
     target = make_model("llama", seed=0, vocab_size=VOCAB, layers=1, hidden=16, initializer_range=0.3)
     draft = make_model("llama", seed=1, vocab_size=VOCAB, layers=1, hidden=16, initializer_range=0.3)
     return draft, target
 
 
-def exact_distribution(target, temperature, top_k, top_p) -> dict[tuple, float]:
+def exact_distribution(target, temperature, top_k, top_p, prompt=PROMPT) -> dict[tuple, float]:
     """P(x1 x2 x3 | prompt) under the target with transformers' warpers, by enumeration (no cache)."""
     warpers = [TemperatureLogitsWarper(temperature)]
     if top_k:
@@ -58,7 +81,7 @@ def exact_distribution(target, temperature, top_k, top_p) -> dict[tuple, float]:
         warpers.append(TopPLogitsWarper(top_p))
 
     def next_probs(prefix):
-        ids = torch.tensor([PROMPT + list(prefix)])
+        ids = torch.tensor([prompt + list(prefix)])
         with torch.no_grad():
             scores = target(input_ids=ids).logits[:, -1].float()
         for warper in warpers:
@@ -92,14 +115,19 @@ def goodness_of_fit(counts: dict[tuple, int], expected: dict[tuple, float], n: i
     return chisquare(observed, predicted).pvalue
 
 
-def draw(decoder, method, settings, n, gamma=2, seed=0) -> dict[tuple, int]:
+def draw(decoder, method, settings, n, gamma=2, seed=0, prompt=PROMPT, totals=None, **kwargs) -> dict[tuple, int]:
+    """Counts of the n completions; `totals`, if given, sums the per-drafter stats of the runs into it."""
     temperature, top_k, top_p = settings
     counts: dict[tuple, int] = {}
     for i in range(n):
-        result = decoder.generate(PROMPT, max_new_tokens=LENGTH, method=method, gamma=gamma, temperature=temperature,
-                                  top_k=top_k, top_p=top_p, seed=seed * 1_000_003 + i)
+        result = decoder.generate(prompt, max_new_tokens=LENGTH, method=method, gamma=gamma, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, seed=seed * 1_000_003 + i, **kwargs)
         key = tuple(result.token_ids)
         counts[key] = counts.get(key, 0) + 1
+        if totals is not None:
+            for name in ("proposed_by_drafter", "accepted_by_drafter", "rounds_by_drafter"):
+                for drafter, count in result.stats[name].items():
+                    totals[name, drafter] = totals.get((name, drafter), 0) + count
     return counts
 
 
@@ -165,8 +193,24 @@ def test_adaptive_gamma_samples_follow_target_distribution(pair, monkeypatch, va
 
 
 @pytest.mark.statistical
-def test_draft_distribution_differs_so_the_test_is_meaningful(pair):
+def test_adaptive_gamma_with_the_plain_residual_fails_the_test(pair, monkeypatch):
+    """The same deliberately wrong rule as below, on the adaptive path: the test has power there too."""
     draft, target = pair
+    monkeypatch.setattr("specdec.verification.residual_probs", plain_p)
+    decoder = SpeculativeDecoder(draft, target)
+    counts = draw(decoder, "google", SETTINGS["t1"], 5_000, gamma=None, seed=7)
+    assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), 5_000) < 1e-6
+
+
+def plain_p(target_probs, draft_probs, weight=1.0):
+    """The deliberately wrong residual: p itself instead of norm(max(0, weight * p - q))."""
+    return target_probs
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("pair_name", ["pair", "close_pair"])
+def test_draft_distribution_differs_so_the_test_is_meaningful(request, pair_name):
+    draft, target = request.getfixturevalue(pair_name)
     assert max(abs(a - b) for a, b in zip(exact_distribution(draft, 1.0, 0, 1.0).values(),
                                            exact_distribution(target, 1.0, 0, 1.0).values())) > 0.01
     counts = draw(SpeculativeDecoder(draft, draft), "draft", SETTINGS["t1"], 5_000)
@@ -174,12 +218,90 @@ def test_draft_distribution_differs_so_the_test_is_meaningful(pair):
 
 
 @pytest.mark.statistical
-@pytest.mark.parametrize("gamma", [2, None])
-def test_wrong_rule_fails_the_test(pair, monkeypatch, gamma):
-    """Resampling from p instead of norm(max(0, p - q)) after a rejection is a classic bug: it must be caught,
-    on the fixed-gamma and on the adaptive path."""
+def test_wrong_rule_fails_the_test(pair, monkeypatch):
+    """Resampling from p instead of norm(max(0, p - q)) after a rejection is a classic bug: it must be caught."""
     draft, target = pair
-    monkeypatch.setattr("specdec.engine.residual_probs", lambda target_probs, draft_probs: target_probs)
+    monkeypatch.setattr("specdec.verification.residual_probs", plain_p)
     decoder = SpeculativeDecoder(draft, target)
-    counts = draw(decoder, "google", SETTINGS["t1"], 5_000, gamma=gamma)
+    counts = draw(decoder, "google", SETTINGS["t1"], 5_000)
     assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), 5_000) < 1e-6
+
+
+# --- the other drafters and block verification ------------------------------------------------------------------
+
+# (drafter, verification, variant): every drafter under both rules, the variants spread over them
+DRAFTER_RULES = [("model", "block", "google"), ("lookup", "token", "deepmind"), ("lookup", "block", "google"),
+                 ("hybrid", "token", "google"), ("hybrid", "block", "deepmind")]
+
+
+def prompt_for(drafter: str) -> list[int]:
+    return PROMPT if drafter == "model" else LOOKUP_PROMPT
+
+
+def assert_drafters_served(drafter: str, totals: dict, n: int) -> None:
+    """The stats show the drafters under test at work: lookup tokens proposed and accepted (and model tokens,
+    for the hybrid), so a lookup that silently never fires cannot pass for an exact one."""
+    if drafter in ("lookup", "hybrid"):
+        assert totals.get(("accepted_by_drafter", "lookup"), 0) > 0.2 * n
+        assert totals.get(("rounds_by_drafter", "lookup"), 0) >= n  # at least the first round of every run
+    if drafter in ("model", "hybrid"):
+        assert totals.get(("accepted_by_drafter", "model"), 0) > 0.1 * n
+    if drafter == "lookup":
+        assert set(name for (kind, name) in totals if kind == "proposed_by_drafter") == {"lookup"}
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("drafter, rule, variant", DRAFTER_RULES)
+def test_drafter_samples_follow_target_distribution(close_pair, drafter, rule, variant, setting):
+    draft, target = close_pair
+    prompt, totals = prompt_for(drafter), {}
+    expected = exact_distribution(target, *SETTINGS[setting], prompt=prompt)
+    counts = draw(SpeculativeDecoder(draft, target), variant, SETTINGS[setting], DRAFTER_SAMPLES, seed=13,
+                  prompt=prompt, totals=totals, drafter=drafter, verification=rule)
+    assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
+    assert_drafters_served(drafter, totals, DRAFTER_SAMPLES)
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("drafter, rule, setting", [("lookup", "token", "t1"), ("hybrid", "token", "topp0.8"),
+                                                    ("model", "block", "t1.5"),
+                                                    ("hybrid", "block", "t0.8-topk5-topp0.9")])
+def test_adaptive_drafter_samples_follow_target_distribution(close_pair, monkeypatch, drafter, rule, setting):
+    """Adaptive gamma with the lengths forced to change at random (blocks of up to 3 here, the whole
+    continuation), for the new drafters and block verification."""
+    draft, target = close_pair
+    lengths = random.Random(9)
+    monkeypatch.setattr("specdec.engine.AdaptiveGamma.choose", lambda self: lengths.randint(0, 3))
+    prompt, totals = prompt_for(drafter), {}
+    expected = exact_distribution(target, *SETTINGS[setting], prompt=prompt)
+    counts = draw(SpeculativeDecoder(draft, target), "google", SETTINGS[setting], DRAFTER_SAMPLES, gamma=None,
+                  seed=17, prompt=prompt, totals=totals, drafter=drafter, verification=rule)
+    assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
+    assert_drafters_served(drafter, totals, DRAFTER_SAMPLES)
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("drafter, rule, variant", DRAFTER_RULES)
+def test_wrong_rule_fails_the_test_for_every_drafter(close_pair, monkeypatch, drafter, rule, variant):
+    """The plain residual, under each drafter and rule at DRAFTER_SAMPLES: those tests have power."""
+    draft, target = close_pair
+    monkeypatch.setattr("specdec.verification.residual_probs", plain_p)
+    prompt = prompt_for(drafter)
+    counts = draw(SpeculativeDecoder(draft, target), variant, SETTINGS["t1"], DRAFTER_SAMPLES, seed=13,
+                  prompt=prompt, drafter=drafter, verification=rule)
+    assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"], prompt=prompt),
+                           DRAFTER_SAMPLES) < 1e-6
+
+
+@pytest.mark.statistical
+def test_block_verification_stopping_at_the_weight_fails_the_test(close_pair, monkeypatch):
+    """A deliberately wrong block verification: the backward scan stops at prefix i with probability w_i
+    instead of h_i = m_i / (m_i + 1 - w_i). Blocks of 3 (the whole continuation: adaptive gamma held at 3
+    proposals, no bonus) let the scan reach an inner prefix."""
+    draft, target = close_pair
+    monkeypatch.setattr("specdec.verification.block_accept_prob", lambda weight, mass: weight)
+    monkeypatch.setattr("specdec.engine.AdaptiveGamma.choose", lambda self: 2)
+    counts = draw(SpeculativeDecoder(draft, target), "google", SETTINGS["t1"], DRAFTER_SAMPLES, gamma=None,
+                  seed=17, verification="block")
+    assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), DRAFTER_SAMPLES) < 1e-6

@@ -238,6 +238,13 @@ def test_openapi_describes_every_route_with_the_server_limits(pair):
     assert request["properties"]["max_new_tokens"]["maximum"] == 8
     assert request["properties"]["gamma"]["maximum"] == 6
     assert "default 4" in request["properties"]["max_new_tokens"]["description"]
+    assert request["properties"]["drafter"]["enum"] == ["model", "lookup", "hybrid"]
+    assert request["properties"]["verification"]["enum"] == ["token", "block"]
+    assert "default model" in request["properties"]["drafter"]["description"]
+    token = document["components"]["schemas"]["Token"]["properties"]["source"]["enum"]
+    assert "lookup" in token and "draft" in token
+    stats = document["components"]["schemas"]["GenerationStats"]["properties"]
+    assert {"proposed_by_drafter", "accepted_by_drafter", "round_share_by_drafter"} <= set(stats)
     documented = {int(status) for status in document["paths"]["/predict"]["post"]["responses"]}
     assert {bad.status for bad in CORPUS if bad.path == "/predict" and bad.method == "POST"} <= documented
 

@@ -254,6 +254,9 @@ def test_chunked_body_over_the_limit_is_413(client):
     ({"gamma": "adaptive"}, "gamma"),
     ({"method": "draft"}, "method"),
     ({"method": "medusa"}, "method"),
+    ({"drafter": "ngram"}, "drafter"),
+    ({"drafter": 1}, "drafter"),
+    ({"verification": "tree"}, "verification"),
     ({"stop": "\n"}, "stop"),
     ({"stop": ["ok", 3]}, "stop"),
     ({"stop": [""]}, "stop"),
@@ -273,6 +276,7 @@ def test_null_means_the_configured_default(client):
     assert response.status_code == 200
     stats = response.get_json()["stats"]
     assert stats["gamma"] == 4 and stats["method"] == "google"
+    assert (stats["drafter"], stats["verification"]) == ("model", "token")
     assert response.get_json()["usage"]["completion_tokens"] <= 64
 
 
@@ -443,6 +447,22 @@ def test_greedy_equals_target_only_greedy(client, method, gamma):
     speculative = predict(client, temperature=0, max_new_tokens=50, method=method, gamma=gamma).get_json()
     assert speculative["text"] == target_only["text"]
     assert speculative["usage"] == target_only["usage"]
+
+
+@pytest.mark.parametrize("drafter, verification", [("lookup", "token"), ("hybrid", "block"), ("model", "block")])
+def test_drafter_and_verification_fields(client, drafter, verification):
+    prompt = "abcabcabcabcabcabc"
+    target_only = predict(client, prompt=prompt, temperature=0, max_new_tokens=30, method="target").get_json()
+    body = predict(client, prompt=prompt, temperature=0, max_new_tokens=30, drafter=drafter,
+                   verification=verification, details=True).get_json()
+    assert body["text"] == target_only["text"]
+    stats = body["stats"]
+    assert (stats["drafter"], stats["verification"]) == (drafter, verification)
+    assert sum(stats["round_share_by_drafter"].values()) == pytest.approx(1.0)
+    sources = {t["source"] for t in body["tokens"]}
+    assert sources <= {"draft", "lookup", "resampled", "bonus"}
+    if drafter != "model":
+        assert stats["proposed_by_drafter"]["lookup"] > 0
 
 
 def test_chat_applies_the_template(client):

@@ -13,6 +13,8 @@ def test_defaults():
     assert settings.target_model == settings.draft_model == "default"
     assert (settings.device, settings.dtype, settings.draft_quantization) == ("auto", "auto", "int8")
     assert (settings.method, settings.gamma) == ("google", 4)
+    assert (settings.drafter, settings.verification) == ("model", "token")
+    assert (settings.sampling.drafter, settings.sampling.verification) == ("model", "token")
     assert (settings.max_new_tokens, settings.max_new_tokens_limit) == (64, 1024)
     assert (settings.temperature, settings.top_p, settings.top_k) == (0.7, 0.9, 0)
     assert settings.max_body_bytes == 1 << 20
@@ -37,6 +39,13 @@ def test_layers_override_in_order(tmp_path):
     assert settings.device == "cuda:1" and settings.dtype == "bfloat16" and settings.draft_quantization == "none"
     assert settings.queue_timeout == 2.5 and settings.queue_size == 9
     assert settings.top_k == 0  # an empty variable counts as unset
+
+
+def test_drafter_and_verification_from_the_environment():
+    settings = load_settings(environ={"SPECDEC_DRAFTER": "Hybrid", "SPECDEC_VERIFICATION": "block"})
+    assert (settings.sampling.drafter, settings.sampling.verification) == ("hybrid", "block")
+    with pytest.raises(ConfigError, match="drafter.*SPECDEC_DRAFTER"):
+        load_settings(environ={"SPECDEC_DRAFTER": "ngram"})
 
 
 def test_loader_may_be_an_import_path():

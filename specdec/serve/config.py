@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import SpecDecError
-from ..params import MAX_GAMMA, SERVED_METHODS, SamplingParams
+from ..params import DRAFTERS, MAX_GAMMA, SERVED_METHODS, VERIFICATIONS, SamplingParams
 
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "config" / "default.toml"
 ENV_PREFIX = "SPECDEC_"
@@ -40,6 +40,8 @@ class Settings(BaseModel):
     dtype: Literal["auto", "float32", "float16", "bfloat16"]
     draft_quantization: Literal["int8", "none"]
     method: Literal[SERVED_METHODS]
+    drafter: Literal[DRAFTERS]
+    verification: Literal[VERIFICATIONS]
     gamma: int | None = Field(ge=1)  # None: adaptive
     max_gamma: int = Field(ge=1, le=MAX_GAMMA)
     temperature: float = Field(ge=0, allow_inf_nan=False)
@@ -70,7 +72,7 @@ class Settings(BaseModel):
             return None
         return value
 
-    @field_validator("log_level", "dtype", "draft_quantization", mode="before")
+    @field_validator("log_level", "dtype", "draft_quantization", "drafter", "verification", mode="before")
     @classmethod
     def _lower(cls, value):
         return value.strip().lower() if isinstance(value, str) else value
@@ -101,7 +103,8 @@ class Settings(BaseModel):
     def sampling(self) -> SamplingParams:
         """The decoding defaults a request gets for the fields it leaves out (no seed: each request draws one)."""
         return SamplingParams(max_new_tokens=self.max_new_tokens, method=self.method, gamma=self.gamma,
-                              temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+                              temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, drafter=self.drafter,
+                              verification=self.verification)
 
     @model_validator(mode="after")
     def _consistent(self):

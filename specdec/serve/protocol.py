@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import SpecDecError
-from ..params import MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SERVED_METHODS, SamplingParams
+from ..params import DRAFTERS, MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SERVED_METHODS, VERIFICATIONS, SamplingParams
 from .concurrency import TimeLimitExceeded, time_limit
 from .config import Settings
 from .errors import ApiError
@@ -51,6 +51,11 @@ class PredictRequest(BaseModel):
                              description="the same seed and request give the same completion; default random")
     gamma: int | None = Field(None, ge=1, description="draft tokens proposed per round")
     method: Literal[SERVED_METHODS] | None = None
+    drafter: Literal[DRAFTERS] | None = Field(
+        None, description="who proposes: the draft model, prompt lookup (n-grams of the prompt and the text so "
+                          "far), or hybrid (lookup where it matches, the draft model elsewhere)")
+    verification: Literal[VERIFICATIONS] | None = Field(
+        None, description="how proposals are verified: token by token, or the block jointly (Sun et al. 2025)")
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
         None, max_length=MAX_STOP_STRINGS, description="the completion ends before the first one found")
     chat: bool | None = Field(None, description="wrap the prompt in the model's chat template")
@@ -174,7 +179,7 @@ def request_schema(settings: Settings) -> dict:
            default=f"default {defaults.max_new_tokens}")
     _bound(props["gamma"], maximum=settings.max_gamma,
            default="default " + ("adaptive" if defaults.gamma is None else str(defaults.gamma)))
-    for name in ("temperature", "top_k", "top_p", "method"):
+    for name in ("temperature", "top_k", "top_p", "method", "drafter", "verification"):
         _bound(props[name], default=f"default {getattr(defaults, name)}")
     props["prompt"]["description"] += f" (at most {settings.max_prompt_tokens} tokens)"
     return schema

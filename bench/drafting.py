@@ -1,0 +1,202 @@
+"""Greedy drafting, simulated from one greedy run per prompt: how prompt lookup's knobs and the hybrid's threshold
+were chosen (specdec.drafters.LookupSettings), by measurement on the default pair.
+
+    python -m bench.drafting [--limit N] [--max-new-tokens 64] [--out bench/results/drafting]
+
+Under greedy decoding a proposal is accepted up to its first token that differs from the target's greedy text,
+and until then the draft model proposes its argmax on the target's own text. So one greedy run per prompt (made
+with speculative decoding, which gives the target's greedy tokens exactly) and one draft forward over its text
+give the rounds of every configuration: the tokens each commits, its verification width, the draft forwards it
+takes and their widths. The real drafters run on that text (the draft model's draws replaced by those argmaxes).
+With the target's and the draft's forward costs measured per width on this machine, each configuration's time
+follows; `make bench` then measures the chosen ones for real. Prefill and sampling overheads are left out.
+"""
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specdec.drafters import HybridDrafter, LookupDrafter, LookupSettings
+from specdec.engine import SpeculativeDecoder
+
+from .benchmark import GROUNDED_PROMPTS, DEFAULT_PROMPTS, encode, forward_ms_by_width, load_prompts, machine_info
+
+WRONG = -1  # stands for a draft proposal after the first mismatch: never the target's token
+
+
+class ArgmaxDraft:
+    """The draft model as the drafters see it, replaced by its argmaxes on the target's greedy text: correct
+    while the sequence is a prefix of that text, WRONG after. Counts its forwards and their widths."""
+
+    name = "model"
+
+    def __init__(self, text: list[int], argmax: list[int]):
+        self.text, self.argmax = text, argmax  # argmax[i]: the draft's next token after text[:i + 1]
+        self.length = 0  # tokens in its (simulated) cache
+        self.widths: list[int] = []
+
+    def draw(self, seq: list[int], generator=None):
+        self.widths.append(len(seq) - self.length)
+        self.length = len(seq)
+        n = len(seq)
+        return (self.argmax[n - 1] if seq == self.text[:n] else WRONG), None
+
+    def propose(self, ids, gamma, limit, generator_at=None):
+        from specdec.drafters import Proposal
+
+        proposal, seq = Proposal(), list(ids)
+        for _ in range(min(gamma, limit)):
+            token, _ = self.draw(seq)
+            proposal.add(token, None, "model")
+            seq.append(token)
+        return proposal
+
+    def rollback(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+
+def simulate(kind: str, prompt_len: int, text: list[int], argmax: list[int], gamma: int,
+             settings: LookupSettings) -> dict:
+    """The fixed-gamma loop's rounds on one prompt: (width, committed, proposed, accepted, drafter) per round and
+    the draft forwards' widths."""
+    draft = ArgmaxDraft(text, argmax)
+    if kind == "model":
+        drafter = draft
+    else:
+        lookup = LookupDrafter(1, settings, min_match=settings.hybrid_min_match if kind == "hybrid" else None)
+        lookup.one_hots = lambda tokens: torch.zeros(len(tokens), 1)  # no distributions needed here
+        drafter = lookup if kind == "lookup" else HybridDrafter(draft, lookup, settings)
+    ids, rounds = list(text[:prompt_len]), []
+    while len(ids) < len(text):
+        limit = len(text) - len(ids) - 1
+        proposal = drafter.propose(ids, gamma, limit, lambda i: None)
+        k = len(proposal)
+        truth = text[len(ids):len(ids) + k]
+        accepted = next((i for i, (a, b) in enumerate(zip(proposal.tokens, truth)) if a != b), k)
+        ids = text[:len(ids) + accepted + 1]
+        rounds.append((k + 1, accepted + 1, k, accepted, proposal.drafter))
+        drafter.rollback(len(ids) - 1)
+    return {"rounds": rounds, "draft_widths": draft.widths}
+
+
+def cost(sim: dict, target_ms: dict[int, float], draft_ms: dict[int, float]) -> float:
+    """ms of the simulated rounds: a target forward per round at its width, the draft's forwards at theirs
+    (widths past the measured ones cost the widest measured, extended linearly)."""
+    def at(table, width):
+        widest = max(table)
+        if width <= widest:
+            return table[max(width, 1)]
+        slope = (table[widest] - table[widest // 2]) / (widest - widest // 2)
+        return table[widest] + slope * (width - widest)
+
+    return sum(at(target_ms, r[0]) for r in sim["rounds"]) + sum(at(draft_ms, w) for w in sim["draft_widths"])
+
+
+def configurations(max_gamma: int = 6):
+    """(name, kind, gamma, LookupSettings) of the grid."""
+    for gamma in range(2, max_gamma + 1):
+        yield f"model g{gamma}", "model", gamma, LookupSettings()
+    for max_ngram, max_tokens, min_match in itertools.product((1, 2, 3, 4, 5), (4, 6, 8, 10, 12, 16), (1, 2, 3)):
+        if min_match <= max_ngram:
+            yield (f"lookup n{max_ngram} k{max_tokens} m{min_match}", "lookup", 4,
+                   LookupSettings(max_ngram=max_ngram, max_tokens=max_tokens, min_match=min_match,
+                                  hybrid_min_match=min_match))
+    for max_ngram, max_tokens, hybrid_min_match, extend in itertools.product((2, 3, 4), (6, 8, 10, 12, 16), (1, 2, 3),
+                                                                            (False, True)):
+        if hybrid_min_match <= max_ngram:
+            yield (f"hybrid g4 n{max_ngram} k{max_tokens} h{hybrid_min_match}{' extend' if extend else ''}",
+                   "hybrid", 4, LookupSettings(max_ngram=max_ngram, max_tokens=max_tokens,
+                                               hybrid_min_match=hybrid_min_match, extend=extend))
+
+
+def greedy_texts(decoder, tokenizer, prompts: list[dict], max_new_tokens: int) -> list[dict]:
+    """Each prompt's token ids and the target's greedy continuation (made with the hybrid drafter: the same
+    tokens, faster), and the draft's argmax after every position of that text."""
+    out = []
+    for item in prompts:
+        ids = encode(tokenizer, item)
+        result = decoder.generate(ids, max_new_tokens=max_new_tokens, temperature=0, drafter="hybrid")
+        text = ids + result.token_ids
+        with torch.inference_mode():
+            logits = decoder.draft_model(input_ids=torch.tensor([text])).logits[0]
+        argmax = logits[:, : decoder.vocab_size].argmax(-1).tolist()
+        out.append({"id": item["id"], "prompt_len": len(ids), "text": text, "argmax": argmax})
+        print(f"  {item['id']}: {len(ids)} + {len(result.token_ids)} tokens", file=sys.stderr)
+    return out
+
+
+def main(argv=None) -> int:
+    from specdec.loading import load_pair
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", type=int, default=None, help="the first N prompts of each set")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--widths", type=int, default=17, help="measure forward costs at widths 1..N")
+    parser.add_argument("--context", type=int, default=384, help="cached tokens when measuring forward costs")
+    parser.add_argument("--texts", default=None, help="reuse the greedy texts of an earlier run (its JSON)")
+    parser.add_argument("--draft", default=None, help="draft model (default: the default pair)")
+    parser.add_argument("--target", default=None, help="target model (default: the default pair)")
+    parser.add_argument("--out", default="bench/results/drafting")
+    args = parser.parse_args(argv)
+
+    draft, target, tokenizer = load_pair(args.draft, args.target)
+    decoder = SpeculativeDecoder(draft, target, tokenizer)
+    widths = list(range(1, args.widths + 1))
+    device = target.get_input_embeddings().weight.device
+    print("forward costs by width", file=sys.stderr)
+    target_ms = forward_ms_by_width(target, args.context, widths, device, repeats=5)
+    draft_ms = forward_ms_by_width(draft, args.context, widths, device, repeats=5)
+    print(f"target ms {target_ms}\ndraft ms {draft_ms}", file=sys.stderr)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.texts:
+        texts = json.loads(Path(args.texts).read_text())["texts"]
+    else:
+        texts = {}
+        for name, path in (("grounded", GROUNDED_PROMPTS), ("default", DEFAULT_PROMPTS)):
+            print(f"greedy texts, {name} set", file=sys.stderr)
+            texts[name] = greedy_texts(decoder, tokenizer, load_prompts(path, args.limit), args.max_new_tokens)
+        (out / "texts.json").write_text(json.dumps({"texts": texts}) + "\n", encoding="utf-8")
+
+    rows = []
+    for name, kind, gamma, settings in configurations():
+        row = {"config": name, "kind": kind, "gamma": gamma, "settings": settings.__dict__}
+        for set_name, items in texts.items():
+            sims = [simulate(kind, t["prompt_len"], t["text"], t["argmax"], gamma, settings) for t in items]
+            new = sum(len(t["text"]) - t["prompt_len"] for t in items)
+            forwards = sum(len(s["rounds"]) for s in sims)
+            baseline = new * target_ms[1]
+            spent = sum(cost(s, target_ms, draft_ms) for s in sims)
+            lookup_rounds = sum(1 for s in sims for r in s["rounds"] if r[4] == "lookup")
+            row[set_name] = {"tokens_per_target_forward": new / forwards, "predicted_speedup": baseline / spent,
+                             "lookup_round_share": lookup_rounds / forwards,
+                             "mean_width": sum(r[0] for s in sims for r in s["rounds"]) / forwards}
+        rows.append(row)
+
+    report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python -m bench.drafting"] + (
+        argv if argv is not None else sys.argv[1:])), "machine": machine_info(), "target_ms": target_ms,
+        "draft_ms": draft_ms, "rows": rows, "texts": texts}
+    (out / "drafting.json").write_text(json.dumps(report) + "\n", encoding="utf-8")
+    lines = [f"# Greedy drafting simulated ({report['date']})", "", f"Command: `{report['command']}`", "",
+             "Forward ms by width (target / draft): " + ", ".join(
+                 f"{w}: {target_ms[w]:.0f} / {draft_ms[w]:.0f}" for w in widths), "",
+             "| configuration | default: speedup | tokens/fwd | lookup rounds | grounded: speedup | tokens/fwd "
+             "| lookup rounds | mean width |", "|---|---|---|---|---|---|---|---|"]
+    rows.sort(key=lambda r: -r["grounded"]["predicted_speedup"])
+    for row in rows:
+        d, g = row["default"], row["grounded"]
+        lines.append(f"| {row['config']} | {d['predicted_speedup']:.2f}x | {d['tokens_per_target_forward']:.2f} "
+                     f"| {d['lookup_round_share']:.2f} | {g['predicted_speedup']:.2f}x "
+                     f"| {g['tokens_per_target_forward']:.2f} | {g['lookup_round_share']:.2f} | {g['mean_width']:.1f} |")
+    (out / "drafting.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines[:40]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,237 @@
+"""Ways of drafting: each proposes up to `limit` tokens after the committed sequence, with the distribution q each
+was drawn from, and the engine verifies the Proposal the same way whoever made it.
+
+- ModelDrafter: the draft model samples autoregressively from its own (warped) distribution q.
+- LookupDrafter: prompt lookup. The longest suffix of the sequence (n-gram sizes from `max_ngram` down to
+  `min_match`) is looked up among earlier positions of the prompt and the generated text, and the token that
+  followed its most recent occurrence is proposed. It is a deterministic proposal, so it carries a one-hot q:
+  the rule min(1, p/q) then accepts it with probability p(x) and resamples from norm(max(0, p - q)), which is
+  p with x removed, so no special case is needed for exactness.
+- HybridDrafter: at each position, the lookup's token where its match is at least `min_match` tokens long,
+  else the draft model's.
+
+What proposes at each position depends only on the sequence before it (the committed tokens and this round's
+proposals before it), never on random draws or on where the round began: a proposed token continues the match
+of the sequence as extended by the proposals before it, and a drafter's cap ends the round rather than handing
+the position to the other drafter. With adaptive gamma's per-position draws, the output then does not depend on
+the round lengths chosen, as with the draft model alone.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import CachedModel
+from .sampling import sample
+
+SOURCES = {"model": "draft", "lookup": "lookup"}  # drafter -> the source label of its accepted tokens
+
+
+@dataclass(frozen=True)
+class LookupSettings:
+    """Prompt lookup's knobs; the defaults were chosen by measurement on the default pair (bench/lookup.py)."""
+
+    max_ngram: int = 3  # the longest suffix tried first; shorter ones down to min_match after it
+    max_tokens: int = 10  # proposals per round at most
+    min_match: int = 1  # LookupDrafter proposes on a match this long or longer
+    hybrid_min_match: int = 2  # HybridDrafter hands a position to the lookup on a match this long or longer
+    extend: bool = False  # HybridDrafter: may a round mix the two drafters (the model extending a lookup run)?
+
+    def __post_init__(self):
+        if not 1 <= self.min_match <= self.max_ngram or not 1 <= self.hybrid_min_match <= self.max_ngram:
+            raise ValueError("lookup needs 1 <= min_match, hybrid_min_match <= max_ngram")
+        if self.max_tokens < 1:
+            raise ValueError("lookup needs max_tokens >= 1")
+
+
+@dataclass
+class Proposal:
+    """One round's draft: tokens x_1..x_k, the (V,) distribution q_i each was drawn from, and who proposed it."""
+
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)
+    drafters: list[str] = field(default_factory=list)  # "model" | "lookup", per token
+    stacked: torch.Tensor | None = None  # probs as one (k, V) tensor, where the drafter has it so already
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def draft_probs(self) -> torch.Tensor:
+        """(k, V): row i - 1 is q_i."""
+        return self.stacked if self.stacked is not None else torch.stack(self.probs)
+
+    def add(self, token: int, probs: torch.Tensor | None, drafter: str) -> None:
+        self.tokens.append(token)
+        self.probs.append(probs)
+        self.drafters.append(drafter)
+
+    @property
+    def drafter(self) -> str:
+        """The drafter that served the round: the one of its first proposal ("none" if nothing was proposed)."""
+        return self.drafters[0] if self.drafters else "none"
+
+
+class NgramIndex:
+    """n-gram -> the last position it ended at with a known next token, for n = 1..max_ngram, over a sequence
+    that only grows (the committed tokens): each round indexes only the positions that gained a next token."""
+
+    def __init__(self, max_ngram: int):
+        self.max_ngram = max_ngram
+        self.last: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before this position are in `last`
+
+    def update(self, ids: list[int]) -> None:
+        """Index the n-grams ending at positions indexed .. len(ids) - 2 (each now has its next token)."""
+        end = len(ids) - 1
+        if end <= self.indexed:
+            return
+        for n in range(1, self.max_ngram + 1):
+            first = max(self.indexed, n - 1)
+            # the n-grams ending at first .. end - 1 as tuples, in order, so the latest position wins
+            grams = zip(*(ids[first - n + 1 + j: end - n + 1 + j] for j in range(n)))
+            self.last.update(zip(grams, range(first, end)))
+        self.indexed = end
+
+    def match(self, seq: list[int], min_n: int = 1) -> tuple[int, int] | None:
+        """(position, n) of the most recent indexed occurrence of seq's longest suffix with min_n <= n <=
+        max_ngram; None if there is none. The token after it, ids[position + 1], is the lookup's proposal."""
+        for n in range(min(self.max_ngram, len(seq)), min_n - 1, -1):
+            position = self.last.get(tuple(seq[-n:]))
+            if position is not None:
+                return position, n
+        return None
+
+
+class ModelDrafter:
+    """The draft model as a drafter: it owns its KV cache for the request. Its first forward of a round feeds
+    every token it has not seen (committed since, or proposed by the lookup) in one forward."""
+
+    name = "model"
+
+    def __init__(self, model: CachedModel, probs: Callable[[torch.Tensor], torch.Tensor],
+                 forward: Callable[[CachedModel, list[int]], torch.Tensor]):
+        self.model = model
+        self.probs = probs  # logits -> the warped distribution, as for the target
+        self.forward = forward  # the request's timed forward: (model, new tokens) -> logits of the last one
+
+    def draw(self, seq: list[int], generator: torch.Generator) -> tuple[int, torch.Tensor]:
+        """The draft's next token after seq and the distribution q it was drawn from."""
+        q = self.probs(self.forward(self.model, seq[self.model.length:])[-1])
+        return sample(q, generator), q
+
+    def propose(self, ids: list[int], gamma: int, limit: int, generator_at) -> Proposal:
+        """min(gamma, limit) tokens drawn autoregressively; proposal i's draw from generator_at(i)."""
+        proposal, seq = Proposal(), list(ids)
+        for i in range(min(gamma, limit)):
+            token, q = self.draw(seq, generator_at(i))
+            proposal.add(token, q, self.name)
+            seq.append(token)
+        return proposal
+
+    def rollback(self, length: int) -> None:
+        self.model.rollback(length)
+
+
+class LookupDrafter:
+    """Prompt lookup: the continuation of the most recent earlier occurrence of the sequence's longest suffix."""
+
+    name = "lookup"
+
+    def __init__(self, vocab_size: int, settings: LookupSettings = LookupSettings(), min_match: int | None = None):
+        self.vocab_size = vocab_size
+        self.settings = settings
+        self.min_match = settings.min_match if min_match is None else min_match
+        self.index = NgramIndex(settings.max_ngram)
+        self.ids: list[int] = []
+        # one-hot rows, allocated once per request and reset entry by entry: a fresh (k, V) tensor each round
+        # would cost milliseconds in page faults alone at V = 151,936
+        self._one_hots: torch.Tensor | None = None
+        self._set: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, tokens) of the entries now 1
+
+    def next_token(self, seq: list[int]) -> int | None:
+        """The lookup's proposal after seq (the committed tokens, then this round's proposals), or None."""
+        found = self.index.match(seq, self.min_match)
+        return None if found is None else self.ids[found[0] + 1]
+
+    def one_hots(self, tokens: list[int]) -> torch.Tensor:
+        """(len(tokens), V): row i is 1 at tokens[i], 0 elsewhere. Valid until the next round starts."""
+        if self._one_hots is None:
+            self._one_hots = torch.zeros(self.settings.max_tokens, self.vocab_size)
+        self._clear()
+        self._set = (torch.arange(len(tokens)), torch.tensor(tokens))
+        self._one_hots[self._set] = 1.0
+        return self._one_hots[: len(tokens)]
+
+    def _clear(self) -> None:
+        if self._set is not None:
+            self._one_hots[self._set] = 0.0
+            self._set = None
+
+    def start(self, ids: list[int]) -> None:
+        """Index the committed sequence (only what was committed since the last round)."""
+        self.ids = ids
+        self.index.update(ids)
+
+    def propose(self, ids: list[int], gamma: int, limit: int, generator_at=None) -> Proposal:
+        """Up to min(max_tokens, limit) tokens, each continuing the match as extended by the ones before it;
+        none if the sequence's suffix has no earlier occurrence. gamma (the draft model's length) is unused."""
+        self.start(ids)
+        tail = self.settings.max_ngram
+        seq = ids[-tail:]  # matching reads the last max_ngram tokens only
+        for _ in range(min(self.settings.max_tokens, limit)):
+            token = self.next_token(seq)
+            if token is None:
+                break
+            seq.append(token)
+        tokens = seq[min(tail, len(ids)):]
+        if not tokens:
+            return Proposal()
+        stacked = self.one_hots(tokens)
+        return Proposal(tokens, list(stacked.unbind(0)), [self.name] * len(tokens), stacked)
+
+    def rollback(self, length: int) -> None:
+        """Nothing to undo: the index holds committed tokens only."""
+
+
+class HybridDrafter:
+    """Lookup where its match is long enough (hybrid_min_match), the draft model elsewhere, decided per position.
+
+    A round is served by the drafter of its first position and ends where the other one would take over, unless
+    `extend` lets them mix (the draft model extending a lookup run, or the lookup a model run); each drafter's cap
+    (gamma for the model, max_tokens for the lookup) ends the round.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, model: ModelDrafter, lookup: LookupDrafter, settings: LookupSettings = LookupSettings()):
+        self.model, self.lookup, self.settings = model, lookup, settings
+
+    def propose(self, ids: list[int], gamma: int, limit: int, generator_at) -> Proposal:
+        self.lookup.start(ids)
+        proposal, seq = Proposal(), list(ids)
+        counts = {"model": 0, "lookup": 0}
+        caps = {"model": gamma, "lookup": self.settings.max_tokens}
+        for i in range(limit):
+            token = self.lookup.next_token(seq)
+            drafter = "model" if token is None else "lookup"
+            if counts[drafter] >= caps[drafter] or (proposal.drafters and drafter != proposal.drafters[0]
+                                                     and not self.settings.extend):
+                break
+            q = None  # a lookup token's one-hot row is filled in below, all of them in one write
+            if token is None:
+                token, q = self.model.draw(seq, generator_at(i))
+            proposal.add(token, q, drafter)
+            counts[drafter] += 1
+            seq.append(token)
+        if counts["lookup"]:
+            at = [i for i, drafter in enumerate(proposal.drafters) if drafter == "lookup"]
+            rows = self.lookup.one_hots([proposal.tokens[i] for i in at])
+            for i, row in zip(at, rows.unbind(0)):
+                proposal.probs[i] = row
+            if not counts["model"]:
+                proposal.stacked = rows
+        return proposal
+
+    def rollback(self, length: int) -> None:
+        self.model.rollback(length)

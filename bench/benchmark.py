@@ -586,7 +586,6 @@ def measure(args, methods: list[str], modes: list[str], sets: dict[str, Path]) -
     """Run the plan; (runs, the verification cost by width, {set: number of prompts})."""
     sweep_gammas = [int(g) for g in args.sweep_gammas.split(",") if g]
     prompts = {name: load_prompts(path, args.limit) for name, path in sets.items()}
-    startup = startup_profile(args) if args.startup else None  # first, while nothing else is resident
     draft, target, tokenizer = load_pair(args.draft, args.target, device=args.device, dtype=args.dtype,
                                          cpu_kernels=False, draft_quantization="none")  # stock, for HF
     encoded = {name: [encode(tokenizer, item) for item in items] for name, items in prompts.items()}
@@ -635,11 +634,13 @@ def main(argv=None) -> int:
         earlier = [json.loads(Path(path).read_text(encoding="utf-8")) for path in args.from_runs.split(",")]
         runs = [run for report in earlier for run in report["runs"]]
         cost = earlier[0].get("verification_cost", {})
+        startup = earlier[0].get("startup")
         sizes: dict[str, int] = {}
         for run in runs:
             run.setdefault("set", "default")
             sizes.setdefault(run["set"], len({r["prompt"] for r in runs if r.get("set", "default") == run["set"]}))
     else:
+        startup = startup_profile(args) if args.startup else None  # first, while nothing else is resident
         runs, cost, sizes = measure(args, methods, modes, prompt_sets(args.prompt_sets))
 
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

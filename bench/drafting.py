@@ -24,7 +24,7 @@ import torch
 from specdec.drafters import HybridDrafter, LookupDrafter, LookupSettings
 from specdec.engine import SpeculativeDecoder
 
-from .benchmark import GROUNDED_PROMPTS, DEFAULT_PROMPTS, encode, forward_ms_by_width, load_prompts, machine_info
+from .benchmark import DEFAULT_PROMPTS, GROUNDED_PROMPTS, encode, forward_ms_by_width, load_prompts, machine_info
 
 WRONG = -1  # stands for a draft proposal after the first mismatch: never the target's token
 

@@ -19,8 +19,16 @@ from .adaptive import AdaptiveGamma, CostProfile
 from .drafters import SOURCES, HybridDrafter, LookupDrafter, LookupSettings, ModelDrafter, Proposal
 from .errors import SpecDecError
 from .kv_cache import CachedModel, context_length
-from .params import (ADAPTIVE_MAX_GAMMA, DRAFTERS, MAX_GAMMA, METHODS, MIN_TEMPERATURE, SPECULATIVE_METHODS,
-                     VERIFICATIONS, SamplingParams)
+from .params import (
+    ADAPTIVE_MAX_GAMMA,
+    DRAFTERS,
+    MAX_GAMMA,
+    METHODS,
+    MIN_TEMPERATURE,
+    SPECULATIVE_METHODS,
+    VERIFICATIONS,
+    SamplingParams,
+)
 from .sampling import logits_to_probs, sample
 from .stats import GenerationStats
 from .verification import accept_mask

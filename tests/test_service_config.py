@@ -7,21 +7,6 @@ import pytest
 from specdec.serve.config import DEFAULT_FILE, ConfigError, Settings, load_settings
 
 
-def test_defaults():
-    settings = load_settings(environ={})
-    assert (settings.host, settings.port) == ("127.0.0.1", 5000)
-    assert settings.target_model == settings.draft_model == "default"
-    assert (settings.device, settings.dtype, settings.draft_quantization) == ("auto", "auto", "int8")
-    assert (settings.method, settings.gamma) == ("google", 4)
-    assert (settings.drafter, settings.verification) == ("model", "token")
-    assert (settings.sampling.drafter, settings.sampling.verification) == ("model", "token")
-    assert (settings.max_new_tokens, settings.max_new_tokens_limit) == (64, 1024)
-    assert (settings.temperature, settings.top_p, settings.top_k) == (0.7, 0.9, 0)
-    assert settings.max_body_bytes == 1 << 20
-    assert settings.queue_size >= 0 and settings.queue_timeout > 0 and settings.max_prompt_tokens > 0
-    assert settings.loader is None
-
-
 def test_every_setting_has_a_default():
     assert set(Settings.model_fields) - {"loader"} == set(tomllib.loads(DEFAULT_FILE.read_text()))
 

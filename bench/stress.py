@@ -11,6 +11,7 @@ tests/test_slow_clients_gunicorn.py.
 
 import argparse
 import json
+import logging
 import os
 import signal
 import socket
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RAISE_MARKER = "<<raise>>"  # a prompt containing this makes the target's forward raise RuntimeError
 OOM_MARKER = "<<oom>>"  # ... or torch.OutOfMemoryError
 DELAY_ENV = "STRESS_FORWARD_DELAY"  # seconds slept per target forward
+LOAD_BUSY_ENV = "STRESS_LOAD_BUSY"  # seconds busy_loading_pair computes before loading
 PREDICT = '{endpoint="/predict",status="200"}'
 
 
@@ -57,6 +59,25 @@ def faulty_pair(settings):
 
     target.register_forward_pre_hook(hook, with_kwargs=True)
     return draft, target, tokenizer
+
+
+def busy_loading_pair(settings):
+    """A loader (SPECDEC_LOADER=bench.stress:busy_loading_pair) that first does what transformers' loading does,
+    leaving a thread pool behind to end by itself, then computes for $STRESS_LOAD_BUSY seconds without yielding,
+    then loads like faulty_pair: SIGTERM while the models load must still stop the worker at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    pool = ThreadPoolExecutor(max_workers=2)
+    pool.submit(sum, range(10)).result()
+    pool.shutdown(wait=False)
+    seconds = float(os.environ.get(LOAD_BUSY_ENV, "0") or 0)
+    logging.getLogger(__name__).info("loading: computing for %g s first", seconds)
+    end, a = time.monotonic() + seconds, torch.randn(128, 128)
+    while time.monotonic() < end:
+        a = (a @ a).tanh()
+    return faulty_pair(settings)
 
 
 def free_port() -> int:

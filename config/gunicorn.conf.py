@@ -60,3 +60,12 @@ def post_worker_init(worker):
         os._exit(4)  # gunicorn.arbiter.Arbiter.APP_LOAD_ERROR
 
     service.on_load_failure(stop)
+
+
+def worker_exit(server, worker):
+    """The worker's last step, whichever way it leaves: end its process at once (see worker.end_process). The
+    master calls this hook too, for a worker that vanished; there it does nothing."""
+    if worker.pid == os.getpid():
+        from specdec.serve.worker import end_process
+
+        end_process()

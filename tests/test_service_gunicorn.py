@@ -13,7 +13,7 @@ import time
 import pytest
 import requests
 
-from bench.stress import DELAY_ENV, Server
+from bench.stress import DELAY_ENV, LOAD_BUSY_ENV, Server
 
 pytestmark = pytest.mark.xdist_group("gunicorn")
 
@@ -242,6 +242,30 @@ def test_sigterm_drains_new_requests_503_while_in_flight_and_queued_ones_finish(
         assert order == sorted(order), log[-3000:]
     finally:
         server.stop()
+
+
+def test_sigterm_while_the_models_load_or_right_after_stops_at_once(tmp_path, tiny_pair_dirs):
+    """Threads that loading starts (transformers' thread pool) must not keep the worker from exiting."""
+    draft_dir, target_dir = tiny_pair_dirs
+    loading = Server(tmp_path / "loading.log", env={LOAD_BUSY_ENV: "60"}, draft_model=draft_dir,
+                     target_model=target_dir, device="cpu", loader="bench.stress:busy_loading_pair")
+    try:
+        deadline = time.monotonic() + 90
+        while "loading: computing for 60 s first" not in loading.log():
+            assert time.monotonic() < deadline and loading.process.poll() is None, loading.log()[-3000:]
+            time.sleep(0.1)
+        loading.process.send_signal(signal.SIGTERM)
+        assert loading.process.wait(20) == 0, loading.log()[-3000:]
+    finally:
+        loading.stop()
+    # no request and no delay per forward: the production default, right after loading
+    ready = Server(tmp_path / "ready.log", env={DELAY_ENV: "0"}, draft_model=draft_dir, target_model=target_dir,
+                   device="cpu", loader="bench.stress:faulty_pair").wait_ready(timeout=90)
+    try:
+        ready.process.send_signal(signal.SIGTERM)
+        assert ready.process.wait(20) == 0, ready.log()[-3000:]
+    finally:
+        ready.stop()
 
 
 def test_api_keys_under_gunicorn_and_never_in_the_log(tmp_path_factory, tiny_pair_dirs):

@@ -23,19 +23,29 @@ def gevent_patched() -> bool:
     return monkey is not None and monkey.is_module_patched("threading")
 
 
+# While idle, the engine thread gives its own gevent loop a turn this often (see EngineThread._serve).
+IDLE_TURN_SECONDS = 0.05
+
+
 class EngineThread:
     """One OS thread for every engine call; `call` waits for the result, `submit` does not."""
 
     def __init__(self, name: str = "specdec-engine"):
         self.name = name
         self._lock = threading.Lock()
-        self._pool = None  # gevent: a one-thread gevent ThreadPool; otherwise a queue served by a daemon thread
-        self._jobs: queue.SimpleQueue | None = None
-        self._ident: int | None = None  # the daemon thread's
+        self._jobs = None  # a queue that blocks the OS thread (gevent's queues do not work across threads)
+        self._pool = None  # under gevent: the one-thread ThreadPool whose thread is the engine thread
+        self._ident: int | None = None  # the engine thread's OS-level id
 
     def call(self, fn: Callable, *args):
         """fn(*args) on the engine thread; its result, or its exception raised here."""
-        ok, value = self._run(fn, args)
+        self._start()
+        if _os_thread_id() == self._ident:  # from the engine thread itself (a finalizer closing a stream)
+            ok, value = _captured(fn, args)
+        else:
+            done: Future = Future()
+            self._jobs.put((fn, args, done))
+            ok, value = done.result()  # under gevent, the calling greenlet waits and the event loop runs on
         if not ok:
             raise value
         return value
@@ -43,46 +53,65 @@ class EngineThread:
     def submit(self, fn: Callable, *args) -> None:
         """Start fn(*args) on the engine thread and return at once (fn reports its own outcome)."""
         self._start()
-        if self._pool is not None:
-            self._pool.spawn(_captured, fn, args)
-        else:
-            self._jobs.put((fn, args, None))
-
-    def _run(self, fn: Callable, args: tuple) -> tuple[bool, object]:
-        self._start()
-        if self._pool is not None:  # the greenlet waits on the event loop; the loop runs on
-            return self._pool.apply(_captured, (fn, args))  # (from the engine thread itself: at once)
-        if threading.get_ident() == self._ident:  # from the engine thread itself (a finalizer closing a stream)
-            return _captured(fn, args)
-        done: Future = Future()
-        self._jobs.put((fn, args, done))
-        return done.result()
+        self._jobs.put((fn, args, None))
 
     def _start(self) -> None:
         # started on first use: after gunicorn's fork and gevent's patching, in the process that uses it
         with self._lock:
-            if self._pool is not None or self._jobs is not None:
+            if self._jobs is not None:
                 return
-            if gevent_patched():
+            if gevent_patched():  # threading.Thread would start a greenlet; a gevent ThreadPool's thread is real
+                from gevent.monkey import get_original
                 from gevent.threadpool import ThreadPool
 
+                self._jobs = get_original("queue", "SimpleQueue")()
                 self._pool = ThreadPool(1)
+                self._pool.spawn(self._serve)
             else:
                 self._jobs = queue.SimpleQueue()
                 threading.Thread(target=self._serve, name=self.name, daemon=True).start()
 
     def _serve(self) -> None:
-        self._ident = threading.get_ident()
+        """The engine thread: run the jobs in order.
+
+        Under gevent, a thread that a job starts here (transformers loads weights with a thread pool) is a
+        greenlet of this thread's own event loop, which runs only while this thread waits in gevent. So while
+        idle it gives that loop a turn every IDLE_TURN_SECONDS: such threads finish their work and end, instead of
+        staying blocked until the interpreter's exit joins them, and hangs."""
+        self._ident = _os_thread_id()
+        turn = _event_loop_turn()
         while True:
-            fn, args, done = self._jobs.get()
-            result = _captured(fn, args)
+            try:
+                fn, args, done = self._jobs.get(timeout=IDLE_TURN_SECONDS if turn else None)
+            except queue.Empty:
+                turn()
+                continue
+            outcome = _captured(fn, args)
             if done is not None:
-                done.set_result(result)
+                done.set_result(outcome)
+
+
+def _event_loop_turn() -> Callable[[], None] | None:
+    """Under gevent: a function that lets the calling thread's own event loop run its ready greenlets once."""
+    if not gevent_patched():
+        return None
+    import gevent
+
+    return lambda: gevent.sleep(0)
+
+
+def _os_thread_id() -> int:
+    """The calling OS thread's id (under gevent, threading.get_ident names the greenlet instead)."""
+    if gevent_patched():
+        from gevent.monkey import get_original
+
+        return get_original("_thread", "get_ident")()
+    return threading.get_ident()
 
 
 def _captured(fn: Callable, args: tuple) -> tuple[bool, object]:
-    """(True, result) or (False, exception): an exception crosses back to the caller as a value, so neither the
-    thread pool nor the engine thread reports it on its own."""
+    """(True, result) or (False, exception): an exception crosses back to the caller as a value, so the engine
+    thread never reports it on its own."""
     try:
         return True, fn(*args)
     except BaseException as error:  # noqa: BLE001 - re-raised in the caller

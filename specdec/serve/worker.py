@@ -6,14 +6,17 @@
 - enough file descriptors for `worker_connections`, the soft limit raised towards the hard one if need be;
 - draining on SIGTERM: the service refuses new requests at once (503 with Retry-After, /readyz 503) but the
   worker keeps accepting and answering until the requests in flight and queued are done, then stops as gunicorn's
-  gevent worker does, all within gunicorn's graceful_timeout.
+  gevent worker does, all within gunicorn's graceful_timeout;
+- `end_process`, which gunicorn.conf.py's worker_exit hook calls, to leave without interpreter shutdown.
 
 gevent patches the process itself when the worker starts (before the app is loaded), as gunicorn's own gevent
 worker does; the master is never patched.
 """
 
 import logging
+import os
 import resource
+import sys
 import time
 import warnings
 
@@ -78,6 +81,22 @@ class Worker(GeventWorker):
         logger.info("drained in %.1f s%s", time.monotonic() - started,
                     "" if self.service.idle else " (graceful_timeout reached, requests still running)")
         self.alive = False  # gunicorn's gevent worker closes its listeners and lets the open connections end
+
+
+def end_process() -> None:
+    """End the worker process now, with the exit status it is leaving with (gunicorn's worker_exit hook, the last
+    step of every way out of a worker), after flushing the logs.
+
+    Interpreter shutdown would join every thread, and a thread that a library started on the engine thread (a
+    thread pool of transformers' loading) is, under gevent, a greenlet of the engine thread's own event loop,
+    which the exiting main thread cannot wake: the worker would hang until the master's graceful_timeout. The
+    worker has nothing left to save, so it exits as multiprocessing's forked children do."""
+    error = sys.exc_info()[1]
+    code = error.code if isinstance(error, SystemExit) else 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
 
 
 def descriptors_for(connections: int) -> int:

@@ -19,13 +19,14 @@ import socket
 import threading
 import time
 import urllib.parse
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import SpecDecError
+from .threads import start_os_thread
 
 logger = logging.getLogger(__name__)
 
@@ -284,9 +285,8 @@ def read_soon(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool =
             state.update(read_safetensors(path, dtype=dtype, cancel=cancel))
         return state, time.perf_counter() - started
 
-    pool = ThreadPoolExecutor(1, thread_name_prefix="specdec-weights")
-    future = pool.submit(read)
-    pool.shutdown(wait=False)  # its thread ends with the reading; nothing waits for it here
+    # an OS thread even under the service's gevent worker, where a threading.Thread would not overlap the draft
+    future = start_os_thread(read, name="specdec-weights")
     return PendingWeights(config, model_class, future, cancel)
 
 

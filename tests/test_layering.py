@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "specdec"
 # Each module's layer; a module may import only modules of its own layer or below.
 LAYERS = {
     0: ("errors", "params", "stats", "sampling", "verification", "adaptive"),  # the math and the contracts
-    1: ("kv_cache", "cpu"),  # models' caches and the CPU kernels
+    1: ("kv_cache", "cpu", "threads"),  # models' caches, the CPU kernels, OS threads
     2: ("engine", "drafters", "loading", "weights", "default_pair", "text"),  # the engine and what feeds it
     3: ("cli", "serve", "__main__", "__init__"),  # the interfaces
 }

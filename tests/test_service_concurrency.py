@@ -1,7 +1,8 @@
-"""concurrency.py and worker.py without gunicorn: the engine thread (one OS thread for every call, results and
-exceptions carried back), time limits, and under gevent (in a subprocess, patched as gunicorn's worker patches):
-the event loop keeps running while the engine thread computes, and a blocked read is interrupted. Also the
-worker's open-file budget."""
+"""concurrency.py, threads.py and worker.py without gunicorn: the engine thread (one OS thread for every call,
+results and exceptions carried back), OS threads, time limits, and under gevent (in a subprocess, patched as
+gunicorn's worker patches): the event loop keeps running while the engine thread computes, an OS thread started
+on the engine thread runs beside it, a thread pool left there ends by itself, and a blocked read is interrupted.
+Also the worker's open-file budget."""
 
 import json
 import os
@@ -15,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from specdec.serve.concurrency import EngineThread, gevent_patched, time_limit
+from specdec.serve.concurrency import EngineThread, time_limit
 from specdec.serve.worker import RESERVED_DESCRIPTORS, descriptors_for
+from specdec.threads import gevent_patched, start_os_thread
 
 _ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,6 +63,12 @@ def test_submit_returns_at_once_and_keeps_the_order():
     assert engine.call(lambda: list(order)) == ["slow", "next"]
 
 
+def test_start_os_thread_carries_the_result_or_the_exception():
+    assert start_os_thread(lambda: threading.get_ident()).result(10) != threading.get_ident()
+    with pytest.raises(ZeroDivisionError):
+        start_os_thread(lambda: 1 / 0).result(10)
+
+
 def test_without_gevent_a_time_limit_cannot_interrupt():
     assert not gevent_patched()
     with time_limit(0.01):
@@ -71,7 +79,9 @@ GEVENT_SCRIPT = textwrap.dedent("""
     from gevent import monkey; monkey.patch_all()
     import json, socket, threading, time
     import gevent, torch
-    from specdec.serve.concurrency import EngineThread, TimeLimitExceeded, gevent_patched, time_limit
+    from concurrent.futures import ThreadPoolExecutor
+    from specdec.serve.concurrency import EngineThread, TimeLimitExceeded, time_limit
+    from specdec.threads import gevent_patched, start_os_thread
 
     engine = EngineThread()
     gaps = []
@@ -92,6 +102,23 @@ GEVENT_SCRIPT = textwrap.dedent("""
     engine.submit(lambda: (time.sleep(0.2), loaded.set()))  # set from the engine thread, awaited on the loop
     woke = loaded.wait(5)
     ticks.kill()
+    def overlapped():  # an OS thread started on the engine thread runs beside it, not after it
+        started = {}
+        done = start_os_thread(lambda: started.setdefault("at", time.perf_counter()))
+        end = time.perf_counter() + 0.5
+        while time.perf_counter() < end:
+            pass
+        done.result()
+        return started["at"] < end
+    overlaps = engine.call(overlapped)
+    def leave_a_pool():  # as transformers' loading does: its threads are greenlets of the engine thread's loop
+        pool = ThreadPoolExecutor(2)
+        assert sum(f.result() for f in [pool.submit(pow, 2, i) for i in range(4)]) == 15
+        pool.shutdown(wait=False)
+        return list(pool._threads)
+    pool_threads = engine.call(leave_a_pool)
+    time.sleep(0.5)  # the engine thread is idle: its loop's turns let them end
+    pool_ended = engine.call(lambda: not any(t.is_alive() for t in pool_threads))
     left, right = socket.socketpair()
     start = time.perf_counter()
     try:
@@ -102,18 +129,19 @@ GEVENT_SCRIPT = textwrap.dedent("""
         interrupted = time.perf_counter() - start
     print(json.dumps({"patched": gevent_patched(), "engine_thread": engine_thread,
                       "loop_thread": threading.get_native_id(), "ticks": len(gaps), "max_gap": max(gaps),
-                      "woke": woke, "interrupted_after": interrupted}))
+                      "woke": woke, "interrupted_after": interrupted, "overlaps": overlaps,
+                      "pool_ended": pool_ended}))
 """)
 
 
 def test_under_gevent_the_loop_runs_while_the_engine_thread_computes():
-    done = subprocess.run([sys.executable, "-c", GEVENT_SCRIPT], capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-c", GEVENT_SCRIPT], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=_ROOT)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["patched"] and result["engine_thread"] != result["loop_thread"]
     assert result["ticks"] >= 40 and result["max_gap"] < 0.25, result  # a second of compute: the loop ran on
-    assert result["woke"], result
+    assert result["woke"] and result["overlaps"] and result["pool_ended"], result
     assert result["interrupted_after"] is not None and 0.25 < result["interrupted_after"] < 2, result
 
 

@@ -11,17 +11,12 @@ blocks on it. Either way the engine's state is only ever touched from that one t
 
 import contextlib
 import queue
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
-
-def gevent_patched() -> bool:
-    """Whether gevent has monkey-patched this process (gunicorn's gevent worker does so before loading the app)."""
-    monkey = sys.modules.get("gevent.monkey")
-    return monkey is not None and monkey.is_module_patched("threading")
-
+from ..threads import gevent_patched, os_thread_id, start_os_thread
 
 # While idle, the engine thread gives its own gevent loop a turn this often (see EngineThread._serve).
 IDLE_TURN_SECONDS = 0.05
@@ -34,18 +29,22 @@ class EngineThread:
         self.name = name
         self._lock = threading.Lock()
         self._jobs = None  # a queue that blocks the OS thread (gevent's queues do not work across threads)
-        self._pool = None  # under gevent: the one-thread ThreadPool whose thread is the engine thread
         self._ident: int | None = None  # the engine thread's OS-level id
 
     def call(self, fn: Callable, *args):
         """fn(*args) on the engine thread; its result, or its exception raised here."""
         self._start()
-        if _os_thread_id() == self._ident:  # from the engine thread itself (a finalizer closing a stream)
+        if os_thread_id() == self._ident:  # from the engine thread itself (a finalizer closing a stream)
             ok, value = _captured(fn, args)
         else:
             done: Future = Future()
             self._jobs.put((fn, args, done))
-            ok, value = done.result()  # under gevent, the calling greenlet waits and the event loop runs on
+            while True:  # under gevent the calling greenlet waits, and the event loop runs on
+                try:  # (a timeout keeps the loop alive: gevent would end one with nothing else to wait for)
+                    ok, value = done.result(timeout=1.0)
+                    break
+                except FutureTimeout:
+                    continue
         if not ok:
             raise value
         return value
@@ -60,25 +59,21 @@ class EngineThread:
         with self._lock:
             if self._jobs is not None:
                 return
-            if gevent_patched():  # threading.Thread would start a greenlet; a gevent ThreadPool's thread is real
+            if gevent_patched():
                 from gevent.monkey import get_original
-                from gevent.threadpool import ThreadPool
 
                 self._jobs = get_original("queue", "SimpleQueue")()
-                self._pool = ThreadPool(1)
-                self._pool.spawn(self._serve)
             else:
                 self._jobs = queue.SimpleQueue()
-                threading.Thread(target=self._serve, name=self.name, daemon=True).start()
+            start_os_thread(self._serve, name=self.name)
 
     def _serve(self) -> None:
         """The engine thread: run the jobs in order.
 
-        Under gevent, a thread that a job starts here (transformers loads weights with a thread pool) is a
-        greenlet of this thread's own event loop, which runs only while this thread waits in gevent. So while
-        idle it gives that loop a turn every IDLE_TURN_SECONDS: such threads finish their work and end, instead of
-        staying blocked until the interpreter's exit joins them, and hangs."""
-        self._ident = _os_thread_id()
+        Under gevent, a thread that a job starts here with threading.Thread (a library's thread pool) is a
+        greenlet of this thread's own event loop, which runs only while this thread waits in gevent. So while idle
+        it gives that loop a turn every IDLE_TURN_SECONDS, and such threads finish their work and end."""
+        self._ident = os_thread_id()
         turn = _event_loop_turn()
         while True:
             try:
@@ -98,15 +93,6 @@ def _event_loop_turn() -> Callable[[], None] | None:
     import gevent
 
     return lambda: gevent.sleep(0)
-
-
-def _os_thread_id() -> int:
-    """The calling OS thread's id (under gevent, threading.get_ident names the greenlet instead)."""
-    if gevent_patched():
-        from gevent.monkey import get_original
-
-        return get_original("_thread", "get_ident")()
-    return threading.get_ident()
 
 
 def _captured(fn: Callable, args: tuple) -> tuple[bool, object]:

@@ -19,14 +19,13 @@ import socket
 import threading
 import time
 import urllib.parse
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import SpecDecError
-from .threads import start_os_thread
+from .threads import Job
 
 logger = logging.getLogger(__name__)
 
@@ -255,17 +254,16 @@ class PendingWeights:
 
     config: object
     model_class: type
-    future: Future
+    job: Job
     cancel: threading.Event
 
     def result(self) -> tuple[dict, float]:
         """(name: tensor, the seconds the reading took), once it is done."""
-        return self.future.result()
+        return self.job.result()
 
     def drop(self) -> None:
         """Stop reading (at the next tensor) and let the tensors go."""
         self.cancel.set()
-        self.future.cancel()
 
 
 def read_soon(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool = False) -> PendingWeights | None:
@@ -286,8 +284,7 @@ def read_soon(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool =
         return state, time.perf_counter() - started
 
     # an OS thread even under the service's gevent worker, where a threading.Thread would not overlap the draft
-    future = start_os_thread(read, name="specdec-weights")
-    return PendingWeights(config, model_class, future, cancel)
+    return PendingWeights(config, model_class, Job(read), cancel)
 
 
 def _load_into_own_memory(source: ModelSource, role: str, dtype: torch.dtype, trust_remote_code: bool,
@@ -355,8 +352,8 @@ def load_draft(source: ModelSource, device: torch.device, dtype: torch.dtype, dr
     draft = load_model(source, "draft", device, dtype, None, trust_remote_code, own_memory)
     with startup_step("quantized the draft to int8") as note:
         note["detail"] = f"{quantize_linears(draft)} linear layers"
-        release_free_memory()  # the float weights just freed, before the target's arrive
-    if form is not None:
+        release_free_memory()  # the pages of the float weights just freed
+    if model_class is not None:  # a form this start could have used
         with startup_step("kept the int8 draft for later starts") as note:
             try:
                 form.save(quantized_tensors(draft))

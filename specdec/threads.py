@@ -1,17 +1,29 @@
-"""OS threads that stay OS threads: `start_os_thread` runs a function on a new one and returns its Future, also
-in a process that gevent has monkey-patched (the service's gunicorn worker). There `threading.Thread` starts a
-greenlet instead, which runs only while the thread that started it waits, so work meant to overlap would not."""
+"""OS threads that stay OS threads, also in a process that gevent has monkey-patched (the service's gunicorn
+worker). There `threading.Thread` and `ThreadPoolExecutor` start greenlets instead, which run only while the
+thread that started them waits: reads of weights, fbgemm's packing and the engine's loop would not overlap.
 
+- `start_os_thread`: fn on a new OS thread; its `Future` (the engine thread of the service).
+- `Job`: fn on a new OS thread; `result()` blocks the calling OS thread until it is done (start-up work).
+- `thread_map`: a list comprehension computed by a few OS threads, in order (reading and packing weights)."""
+
+import importlib
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 
-def gevent_patched() -> bool:
-    """Whether gevent has monkey-patched this process's threading (gevent itself is not imported here)."""
+def gevent_patched(module: str = "threading") -> bool:
+    """Whether gevent has monkey-patched `module` in this process (gevent itself is not imported here)."""
     monkey = sys.modules.get("gevent.monkey")
-    return monkey is not None and monkey.is_module_patched("threading")
+    return monkey is not None and monkey.is_module_patched(module)
+
+
+def _original(module: str, name: str):
+    """`module.name` as it was before gevent patched it (as it is, where gevent has not)."""
+    if gevent_patched(module):
+        return sys.modules["gevent.monkey"].get_original(module, name)
+    return getattr(importlib.import_module(module), name)
 
 
 def start_os_thread(fn: Callable, *args, name: str | None = None) -> Future:
@@ -26,10 +38,8 @@ def start_os_thread(fn: Callable, *args, name: str | None = None) -> Future:
         except BaseException as error:  # noqa: BLE001 - the Future carries it to whoever waits
             future.set_exception(error)
 
-    if gevent_patched():
-        from gevent.monkey import get_original
-
-        get_original("_thread", "start_new_thread")(run, ())
+    if gevent_patched("threading"):
+        _original("_thread", "start_new_thread")(run, ())
     else:
         threading.Thread(target=run, name=name, daemon=True).start()
     return future
@@ -37,8 +47,62 @@ def start_os_thread(fn: Callable, *args, name: str | None = None) -> Future:
 
 def os_thread_id() -> int:
     """The calling OS thread's id (under gevent, threading.get_ident names the calling greenlet instead)."""
-    if gevent_patched():
-        from gevent.monkey import get_original
+    return _original("_thread", "get_ident")() if gevent_patched("threading") else threading.get_ident()
 
-        return get_original("_thread", "get_ident")()
-    return threading.get_ident()
+
+class Job:
+    """fn(*args) running on an OS thread of its own; `result()` waits for it, blocking the calling OS thread (a
+    native lock: no event loop is involved, so it works from any thread, patched or not)."""
+
+    def __init__(self, fn: Callable, *args):
+        self._done = _original("_thread", "allocate_lock")()
+        self._done.acquire()
+        self._outcome: tuple[bool, object] = (False, RuntimeError("not finished"))
+
+        def run():
+            try:
+                self._outcome = (True, fn(*args))
+            except BaseException as error:  # noqa: BLE001 - handed to whoever waits
+                self._outcome = (False, error)
+            finally:
+                self._done.release()
+
+        _original("_thread", "start_new_thread")(run, ())
+
+    def result(self):
+        with self._done:
+            pass
+        ok, value = self._outcome
+        if not ok:
+            raise value
+        return value
+
+
+def thread_map(fn: Callable, items: Iterable, threads: int) -> list:
+    """[fn(item) for item in items], computed by up to `threads` OS threads taking items in order; the first
+    exception is raised once every thread has stopped (the others stop at their next item)."""
+    items = list(items)
+    results: list = [None] * len(items)
+    lock = _original("_thread", "allocate_lock")()
+    state = {"next": 0, "error": None}
+
+    def work():
+        while True:
+            with lock:
+                index = state["next"]
+                if index >= len(items) or state["error"] is not None:
+                    return
+                state["next"] += 1
+            try:
+                results[index] = fn(items[index])
+            except BaseException as error:  # noqa: BLE001 - raised by thread_map
+                with lock:
+                    state["error"] = state["error"] or error
+                return
+
+    workers = [Job(work) for _ in range(max(1, min(threads, len(items))))]
+    for worker in workers:
+        worker.result()
+    if state["error"] is not None:
+        raise state["error"]
+    return results

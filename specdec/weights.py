@@ -18,10 +18,11 @@ import os
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from .threads import thread_map
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,7 @@ def read_safetensors(path, dtype: torch.dtype | None = None, digests: dict[str, 
                 tensor = tensor.to(dtype)
             return name, tensor
 
-        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="specdec-read") as pool:
-            return dict(pool.map(read, entries))
+        return dict(thread_map(read, entries, threads))
     finally:
         os.close(fd)
 

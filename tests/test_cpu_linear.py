@@ -163,3 +163,23 @@ def test_int8_leaves_half_precision_alone():
     model = make_model("llama").to(torch.bfloat16)
     assert quantize_linears(model) == 0
     assert len(_float_linears(model)) > 0
+
+
+@pytest.mark.skipif(not packing_supported(), reason="no oneDNN")
+def test_packing_lets_each_float_weight_go_before_the_next_layer_is_packed(monkeypatch):
+    import weakref
+
+    model = make_model("qwen2", seed=0, hidden=64)
+    weights = [weakref.ref(m.weight) for m in model.modules() if type(m) is torch.nn.Linear]
+    alive_at_each_pack = []
+    original = PackedLinear.__init__
+
+    def counting(self, linear, tied=False):
+        alive_at_each_pack.append(sum(ref() is not None for ref in weights))
+        original(self, linear, tied)
+
+    monkeypatch.setattr(PackedLinear, "__init__", counting)
+    assert pack_linears(model, few_rows=False) == len(weights)
+    # each layer's float weight is gone before the next layer is packed
+    assert alive_at_each_pack == list(range(len(weights), 0, -1))
+    assert all(ref() is None for ref in weights)

@@ -27,12 +27,13 @@ import logging
 import platform
 import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..threads import thread_map
 
 logger = logging.getLogger(__name__)
 
@@ -171,10 +172,15 @@ def pack_linears(model: nn.Module, few_rows: bool = True) -> int:
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
-    for parent, name, linear in candidates:
+    del param  # the loop left the last parameter (the output layer's weight) bound here
+    places = [(parent, name) for parent, name, _ in candidates]
+    del candidates  # layer by layer: each float weight goes as soon as its packed copy is made, not at the end
+    for parent, name in places:
+        linear = getattr(parent, name)
         setattr(parent, name, PackedLinear(linear, tied=uses[id(linear.weight)] > 1))
-    logger.debug("packed %d linear layers of %s for multi-token CPU forwards", len(candidates), type(model).__name__)
-    return len(candidates)
+    del linear
+    logger.debug("packed %d linear layers of %s for multi-token CPU forwards", len(places), type(model).__name__)
+    return len(places)
 
 
 def unpack_linears(model: nn.Module) -> int:
@@ -322,8 +328,7 @@ def load_quantized(model: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
     with warnings.catch_warnings():  # torch.ao's eager quantization warns that torchao will replace it
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", UserWarning)
-        with ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="specdec-pack") as pool:  # packing frees the GIL
-            list(pool.map(build, jobs))
+        thread_map(build, jobs, PACK_THREADS)  # packing frees the GIL
     for job in jobs:
         setattr(job["parent"], job["name"], job.pop("layer"))
     on_meta = [name for name, tensor in [*model.named_parameters(), *model.named_buffers()] if tensor.is_meta]

@@ -40,6 +40,7 @@ class Worker(GeventWorker):
 
     def init_process(self):
         self.worker_connections = descriptors_for(self.worker_connections)
+        ready_cpu_kernel()  # before gevent patches subprocess
         super().init_process()  # patches, loads the app (the models start loading on the engine thread), runs
 
     def patch(self):
@@ -97,6 +98,27 @@ def end_process() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+
+
+def ready_cpu_kernel() -> bool:
+    """Load (building it the first time on this machine) the few-rows CPU kernel before gevent patches the
+    process. torch's extension builder runs ninja through `subprocess`, which gevent's patched one refuses on the
+    engine thread ("child watchers are only available on the default loop"), and loading would then fall back to
+    oneDNN-packed linears: slower verification, and twice the target's weights while packing. The kernel's op
+    stays registered for the loading that follows. Skipped where the pair goes to CUDA; returns whether it is
+    ready."""
+    from ..errors import SpecDecError
+    from ..loading import resolve_device
+    from .config import ConfigError, load_settings
+
+    try:
+        if resolve_device(load_settings().device).type != "cpu":
+            return False
+    except (ConfigError, SpecDecError):
+        return False  # loading says what is wrong
+    from ..cpu.linear import few_rows_kernel
+
+    return few_rows_kernel()
 
 
 def descriptors_for(connections: int) -> int:

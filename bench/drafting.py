@@ -134,7 +134,10 @@ def main(argv=None) -> int:
     from specdec.loading import load_pair
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit", type=int, default=None, help="the first N prompts of each set")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="leave out the first N prompts of each set (those the benchmark's --limit N runs)")
+    parser.add_argument("--limit", type=int, default=None, help="then take N prompts of each set")
+    parser.add_argument("--costs", default=None, help="reuse the forward costs of an earlier run (its JSON)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--widths", type=int, default=17, help="measure forward costs at widths 1..N")
     parser.add_argument("--context", type=int, default=384, help="cached tokens when measuring forward costs")
@@ -144,23 +147,31 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench/results/drafting")
     args = parser.parse_args(argv)
 
-    draft, target, tokenizer = load_pair(args.draft, args.target)
-    decoder = SpeculativeDecoder(draft, target, tokenizer)
     widths = list(range(1, args.widths + 1))
-    device = target.get_input_embeddings().weight.device
-    print("forward costs by width", file=sys.stderr)
-    target_ms = forward_ms_by_width(target, args.context, widths, device, repeats=5)
-    draft_ms = forward_ms_by_width(draft, args.context, widths, device, repeats=5)
+    if not (args.costs and args.texts):  # the models are needed to measure costs or to make the texts
+        draft, target, tokenizer = load_pair(args.draft, args.target)
+        decoder = SpeculativeDecoder(draft, target, tokenizer)
+        device = target.get_input_embeddings().weight.device
+    if args.costs:
+        earlier = json.loads(Path(args.costs).read_text())
+        target_ms, draft_ms = ({int(w): ms for w, ms in earlier[name].items()} for name in ("target_ms", "draft_ms"))
+    else:
+        print("forward costs by width", file=sys.stderr)
+        target_ms = forward_ms_by_width(target, args.context, widths, device, repeats=5)
+        draft_ms = forward_ms_by_width(draft, args.context, widths, device, repeats=5)
     print(f"target ms {target_ms}\ndraft ms {draft_ms}", file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "costs.json").write_text(json.dumps({"target_ms": target_ms, "draft_ms": draft_ms}) + "\n")
     if args.texts:
         texts = json.loads(Path(args.texts).read_text())["texts"]
     else:
         texts = {}
         for name, path in (("grounded", GROUNDED_PROMPTS), ("default", DEFAULT_PROMPTS)):
             print(f"greedy texts, {name} set", file=sys.stderr)
-            texts[name] = greedy_texts(decoder, tokenizer, load_prompts(path, args.limit), args.max_new_tokens)
+            prompts = load_prompts(path)[args.skip:]
+            texts[name] = greedy_texts(decoder, tokenizer, prompts[: args.limit] if args.limit else prompts,
+                                       args.max_new_tokens)
         (out / "texts.json").write_text(json.dumps({"texts": texts}) + "\n", encoding="utf-8")
 
     rows = []
@@ -184,7 +195,7 @@ def main(argv=None) -> int:
     (out / "drafting.json").write_text(json.dumps(report) + "\n", encoding="utf-8")
     lines = [f"# Greedy drafting simulated ({report['date']})", "", f"Command: `{report['command']}`", "",
              "Forward ms by width (target / draft): " + ", ".join(
-                 f"{w}: {target_ms[w]:.0f} / {draft_ms[w]:.0f}" for w in widths), "",
+                 f"{w}: {target_ms[w]:.0f} / {draft_ms[w]:.0f}" for w in sorted(target_ms)), "",
              "| configuration | default: speedup | tokens/fwd | lookup rounds | grounded: speedup | tokens/fwd "
              "| lookup rounds | mean width |", "|---|---|---|---|---|---|---|---|"]
     rows.sort(key=lambda r: -r["grounded"]["predicted_speedup"])

@@ -1,7 +1,8 @@
 """The real default pair (Qwen2.5-Coder-Instruct 0.5B draft, 1.5B target) from the converted cache.
 
 Needs `make models` (which `make test` runs first). Greedy speculative decoding must reproduce the target's greedy
-tokens exactly, on a code prompt and on a chat prompt through the target's chat template.
+tokens exactly, on a code prompt and on a chat prompt through the target's chat template, and on an input-grounded
+prompt (rewriting given code) with every drafter under both verification rules.
 """
 
 import logging
@@ -12,6 +13,7 @@ import pytest
 
 from specdec import SpeculativeDecoder, load_pair
 from specdec.default_pair import DRAFT, MARKER, TARGET, default_pair_paths, is_ready
+from specdec.params import DRAFTERS, VERIFICATIONS
 
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("real_models")]
 
@@ -21,6 +23,9 @@ PROMPTS = {
     "code": ("def is_prime(n: int) -> bool:\n", False),
     "chat": ("Write a Python function that reverses the words of a sentence.", True),
 }
+GROUNDED = ("Add type hints to this function and return it whole.\n\n```python\ndef total(prices, quantities):\n"
+            "    result = 0\n    for price, quantity in zip(prices, quantities):\n        result += price * quantity\n"
+            "    return result\n```", True)
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +84,21 @@ def test_greedy_speculative_equals_target_greedy(real_pair, kind):
             "acceptance_rate", "tokens_per_target_forward", "tokens_per_second")})
     logger.info("%s target: %.2f tokens/s, %r", kind, target.stats["tokens_per_second"],
                 tokenizer.decode(target.token_ids))
+
+
+def test_greedy_equals_target_greedy_for_every_drafter_and_rule(real_pair):
+    _, _, decoder, tokenizer = real_pair
+    prompt = encode(tokenizer, *GROUNDED)
+    target = decoder.generate(prompt, max_new_tokens=NEW_TOKENS, method="target", temperature=0)
+    lookup_accepted = 0
+    for drafter in DRAFTERS:
+        for verification in VERIFICATIONS:
+            result = decoder.generate(prompt, max_new_tokens=NEW_TOKENS, gamma=4, temperature=0, drafter=drafter,
+                                      verification=verification)
+            assert result.token_ids == target.token_ids, (
+                f"{drafter}/{verification} greedy diverged from target greedy:\n"
+                f"{tokenizer.decode(result.token_ids)!r}\nvs\n{tokenizer.decode(target.token_ids)!r}")
+            lookup_accepted += result.stats.accepted_by_drafter.get("lookup", 0)
+            logger.info("grounded %s/%s: %s", drafter, verification, {k: result.stats[k] for k in (
+                "tokens_per_target_forward", "round_share_by_drafter", "tokens_per_second")})
+    assert lookup_accepted > NEW_TOKENS // 2  # the code is repeated: the lookup carried much of it

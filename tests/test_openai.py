@@ -75,6 +75,7 @@ def test_models_lists_the_target_with_the_draft_in_its_metadata(client):
     model = body["data"][0]
     assert model["id"] == "target" and model["object"] == "model" and model["max_model_len"] == 256
     assert model["metadata"]["draft"] == "draft" and model["metadata"]["target"] == "target"
+    assert model["metadata"]["drafter"] == "model" and model["metadata"]["verification"] == "token"
 
 
 def test_completion_answer(client):
@@ -90,6 +91,7 @@ def test_completion_answer(client):
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     stats = choice["speculative_decoding_stats"]
     assert stats["method"] == "google" and stats["gamma"] == 3 and stats["seed"] == 3
+    assert stats["drafter"] == "model" and stats["verification"] == "token"  # the configured defaults
     assert 0 <= stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
     assert sum(stats["num_accepted_tokens_per_pos"]) == stats["num_accepted_tokens"]
     assert stats["draft_acceptance_rate"] == pytest.approx(stats["num_accepted_tokens"] / stats["num_draft_tokens"])
@@ -117,6 +119,21 @@ def test_greedy_equals_target_only_greedy(client, method, gamma):
     body = complete(client, temperature=0, max_tokens=40, method=method, gamma=gamma).get_json()
     assert body["choices"][0]["text"] == target_only["text"]
     assert body["usage"]["completion_tokens"] == target_only["usage"]["completion_tokens"]
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup", "hybrid"])
+@pytest.mark.parametrize("verification", ["token", "block"])
+def test_every_drafter_and_rule_is_served_and_greedy_equals_target_only(client, drafter, verification):
+    prompt = "one two three one two three one two"  # repeated n-grams, so that lookup has matches to propose
+    target_only = client.post("/predict", json={"prompt": prompt, "temperature": 0, "max_new_tokens": 30,
+                                                "method": "target"}).get_json()
+    body = complete(client, prompt=prompt, temperature=0, max_tokens=30, drafter=drafter,
+                    verification=verification).get_json()
+    assert body["choices"][0]["text"] == target_only["text"]
+    stats = body["choices"][0]["speculative_decoding_stats"]
+    assert stats["drafter"] == drafter and stats["verification"] == verification
+    answer = chat(client, temperature=0, max_tokens=8, drafter=drafter, verification=verification).get_json()
+    assert answer["choices"][0]["speculative_decoding_stats"]["drafter"] == drafter
 
 
 def test_max_tokens_left_out_fits_the_context(client):
@@ -241,6 +258,9 @@ REFUSED = [  # (route, field values, param, code)
     ("chat", {"max_tokens": "5"}, "max_tokens", "invalid_value"),
     ("completions", {"gamma": 17}, "gamma", "invalid_value"),
     ("completions", {"method": "draft"}, "method", "invalid_value"),
+    ("completions", {"drafter": "ngram"}, "drafter", "invalid_value"),
+    ("chat", {"drafter": 1}, "drafter", "invalid_value"),
+    ("chat", {"verification": "tree"}, "verification", "invalid_value"),
     ("completions", {"seed": 2**64}, "seed", "invalid_value"),
     ("completions", {"stop": [f"s{i}" for i in range(17)]}, "stop", "invalid_value"),
     ("completions", {"stop": [""]}, "stop", "invalid_value"),

@@ -27,7 +27,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ..params import MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SERVED_METHODS, SamplingParams
+from ..params import DRAFTERS, MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SERVED_METHODS, VERIFICATIONS, SamplingParams
 from .config import Settings
 from .errors import ApiError
 from .protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, HugeInteger, sampling_params
@@ -177,6 +177,12 @@ class _Request(BaseModel):
     top_k: int | None = Field(None, ge=0, description="extension: 0 keeps every token")
     gamma: int | None = Field(None, ge=1, description="extension: draft tokens proposed per round")
     method: Literal[SERVED_METHODS] | None = Field(None, description="extension: the decoding method")
+    drafter: Literal[DRAFTERS] | None = Field(
+        None, description="extension: who proposes: the draft model, prompt lookup (n-grams of the prompt and the "
+                          "text so far), or hybrid (lookup where it matches, the draft model elsewhere)")
+    verification: Literal[VERIFICATIONS] | None = Field(
+        None, description="extension: how proposals are verified: token by token, or the block jointly "
+                          "(Sun et al. 2025)")
 
     @field_validator("temperature")
     @classmethod
@@ -206,7 +212,7 @@ class _Request(BaseModel):
         try:
             return sampling_params(settings, max_new_tokens=self.requested_max_tokens, temperature=self.temperature,
                                    top_k=self.top_k, top_p=self.top_p, seed=self.seed, gamma=self.gamma,
-                                   method=self.method)
+                                   method=self.method, drafter=self.drafter, verification=self.verification)
         except ApiError as error:
             if error.field == "max_new_tokens":
                 error.field = self.max_tokens_field
@@ -336,6 +342,8 @@ class SpeculativeDecodingStats(BaseModel):
 
     method: str = Field(description="google, deepmind or target (no draft)")
     gamma: int | None = Field(description="draft tokens proposed per round; null: adaptive, or no draft")
+    drafter: str | None = Field(description="model, lookup or hybrid; null: no proposals (target)")
+    verification: str | None = Field(description="token or block; null: no proposals (target)")
     seed: int = Field(description="the seed used (drawn at random when the request gave none)")
     num_draft_tokens: int = Field(description="draft tokens proposed to the target")
     num_accepted_tokens: int = Field(description="draft tokens the target accepted")
@@ -348,7 +356,8 @@ class SpeculativeDecodingStats(BaseModel):
     def of(cls, stats) -> "SpeculativeDecodingStats | None":
         if stats is None:
             return None
-        return cls(method=stats.method, gamma=stats.gamma, seed=stats.seed, num_draft_tokens=stats.proposed,
+        return cls(method=stats.method, gamma=stats.gamma, drafter=stats.drafter, verification=stats.verification,
+                   seed=stats.seed, num_draft_tokens=stats.proposed,
                    num_accepted_tokens=stats.accepted, draft_acceptance_rate=stats.acceptance_rate,
                    mean_acceptance_length=stats.tokens_per_target_forward,
                    num_accepted_tokens_per_pos=list(stats.accepted_per_position))
@@ -439,6 +448,8 @@ class ModelMetadata(BaseModel):
     dtype: str
     method: str = Field(description="the default decoding method")
     gamma: int | None = Field(description="the default draft length; null: adaptive")
+    drafter: str = Field(description="the default drafter: model, lookup or hybrid")
+    verification: str = Field(description="the default verification rule: token or block")
 
 
 class Model(BaseModel):

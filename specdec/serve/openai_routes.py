@@ -62,7 +62,8 @@ def models():
                  max_model_len=info["context_length"],
                  metadata=ModelMetadata(draft=info["models"]["draft"], target=info["models"]["target"],
                                         device=info["device"], dtype=info["dtype"], method=sampling.method,
-                                        gamma=sampling.gamma))
+                                        gamma=sampling.gamma, drafter=sampling.drafter,
+                                        verification=sampling.verification))
     return ModelList(data=[card]).model_dump()
 
 

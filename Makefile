@@ -27,7 +27,9 @@ $(MODELS_INSTALLED): requirements-models.txt $(INSTALLED)
 models: $(MODELS_INSTALLED)
 	$(BIN)/python -m specdec.default_pair prepare
 
-serve: models
+# The pair's cache is checked without torch (prepare --quick); loading checks the int8 form's key and hashes.
+serve: $(MODELS_INSTALLED)
+	$(BIN)/python -m specdec.default_pair prepare --quick
 	$(BIN)/python serving.py
 
 # Unit tests (tiny random models) and integration tests (the real default pair), two workers.

@@ -283,6 +283,21 @@ def prepare_model(source: GGUFSource, force: bool = False) -> Path:
     return destination
 
 
+def int8_form_path(folder: Path) -> Path:
+    """Where the int8 form of the draft converted in `folder` is kept (loading.int8_draft_form's file)."""
+    return cache_root() / "ready" / f"{folder.name}.int8.safetensors"
+
+
+def int8_form_present(folder: Path) -> bool:
+    """Whether a whole safetensors file is where the draft's int8 form is kept (its key and hashes unchecked:
+    that needs torch, transformers and a read of the form, which loading does anyway)."""
+    path = int8_form_path(folder)
+    try:
+        return path.is_file() and safetensors_problem(path) is None
+    except OSError:
+        return False
+
+
 def default_pair_paths(prepare: bool = True) -> tuple[str, str]:
     """(draft_dir, target_dir) of the converted default pair; converts what is missing unless prepare is False."""
     folders = {}
@@ -310,7 +325,12 @@ def main(argv=None) -> int:
     parser.add_argument("command", choices=("prepare", "status"),
                         help="prepare: join, verify and convert what is missing; status: show the cache")
     parser.add_argument("--force", action="store_true", help="convert again even if the cache is complete")
+    parser.add_argument("--quick", action="store_true",
+                        help="prepare: where the pair is converted and the int8 draft's form is there, stop without "
+                             "checking the form's key (make serve: loading checks it, and rebuilds a stale one)")
     args = parser.parse_args(argv)
+    if args.quick and args.force:
+        parser.error("--quick and --force exclude each other")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         for source in (TARGET, DRAFT):
@@ -318,7 +338,9 @@ def main(argv=None) -> int:
             if args.command == "prepare":
                 folder = prepare_model(source, force=args.force)
                 print(f"{source.role}: {folder} ready")
-                if source is DRAFT:
+                if source is DRAFT and args.quick and int8_form_present(folder):
+                    print(f"draft: its int8 form is in {int8_form_path(folder)} (checked when loaded)")
+                elif source is DRAFT:
                     from .loading import ModelSource, keep_int8_draft
 
                     kept = keep_int8_draft(ModelSource(str(folder)))

@@ -406,7 +406,7 @@ def int8_draft_form(source: ModelSource):
     machine.
     """
     from .cpu import linear as cpu_linear
-    from .default_pair import cache_root
+    from .default_pair import cache_root, int8_form_path
     from .weights import ReadyForm, fingerprint
 
     if not source.local or source.gguf_file:
@@ -422,7 +422,7 @@ def int8_draft_form(source: ModelSource):
            "cpu": hashlib.sha256(cpu_linear._cpu_signature().encode()).hexdigest()[:16],
            "code": _int8_form_code(),
            "source": fingerprint(folder)}
-    return ReadyForm(root / "ready" / f"{folder.name}.int8.safetensors", key)
+    return ReadyForm(int8_form_path(folder), key)
 
 
 def has_tokenizer(source: ModelSource) -> bool:

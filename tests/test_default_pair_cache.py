@@ -123,3 +123,50 @@ def test_pinned_sources_match_models_md():
     assert (default_pair.DRAFT.size, default_pair.DRAFT.sha256[:12]) == (491_400_064, "1d9614638d18")
     assert (default_pair.TARGET.size, default_pair.TARGET.sha256[:12]) == (1_117_320_768, "cc324af070c2")
     assert default_pair.DRAFT.tokenizer_from is default_pair.TARGET
+
+
+def test_quick_prepare_trusts_a_whole_int8_form_to_loading_and_builds_a_missing_or_truncated_one(
+        monkeypatch, tmp_path, capsys):
+    import struct
+
+    from specdec import loading
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_pair, "prepare_model", lambda source, force=False: default_pair.model_dir(source))
+    built = []
+    monkeypatch.setattr(loading, "keep_int8_draft", lambda source: built.append(source.path) or "kept")
+    form = default_pair.int8_form_path(default_pair.model_dir(default_pair.DRAFT))
+
+    assert default_pair.main(["prepare", "--quick"]) == 0 and len(built) == 1  # no form yet: built
+    header = json.dumps({"w": {"dtype": "I8", "shape": [2, 2], "data_offsets": [0, 4]}}).encode()
+    form.parent.mkdir(parents=True)
+    form.write_bytes(struct.pack("<Q", len(header)) + header + b"\x01\x02\x03")  # one byte short
+    assert default_pair.main(["prepare", "--quick"]) == 0 and len(built) == 2  # truncated: built again
+    form.write_bytes(struct.pack("<Q", len(header)) + header + b"\x01\x02\x03\x04")
+    capsys.readouterr()
+    assert default_pair.main(["prepare", "--quick"]) == 0 and len(built) == 2  # whole: left to loading
+    assert "checked when loaded" in capsys.readouterr().out
+    assert default_pair.main(["prepare"]) == 0 and len(built) == 3  # without --quick the key is checked
+    with pytest.raises(SystemExit):
+        default_pair.main(["prepare", "--quick", "--force"])
+
+
+def test_the_quick_prepare_imports_no_torch(tmp_path):
+    """make serve's check of the cache costs a fraction of a second: it imports neither torch nor transformers."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent("""
+        import json, struct, sys
+        from specdec import default_pair
+        default_pair.prepare_model = lambda source, force=False: default_pair.model_dir(source)  # as if converted
+        form = default_pair.int8_form_path(default_pair.model_dir(default_pair.DRAFT))
+        form.parent.mkdir(parents=True)
+        header = json.dumps({"w": {"dtype": "I8", "shape": [4], "data_offsets": [0, 4]}}).encode()
+        form.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+        assert default_pair.main(["prepare", "--quick"]) == 0
+        print(sorted(name for name in ("torch", "transformers") if name in sys.modules))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env={"SPECDEC_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.strip().splitlines()[-1] == "[]"

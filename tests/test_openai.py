@@ -303,8 +303,18 @@ def test_unknown_model_is_404_model_not_found(client):
     assert_openai_error(chat(client, model="draft"), 404, "model_not_found", "model")
 
 
+def test_retrieve_model_is_the_listed_card_and_404_for_any_other_id(client):
+    listed = client.get("/v1/models").get_json()["data"][0]
+    response = client.get("/v1/models/target")
+    assert response.status_code == 200 and response.get_json() == listed
+    for other in ("gpt-4o", "Qwen/Qwen2.5-0.5B", "draft"):
+        error = assert_openai_error(client.get(f"/v1/models/{other}"), 404, "model_not_found", "model")
+        assert repr(other) in error["message"]
+
+
 @pytest.mark.parametrize("method, path, status, code", [
     ("POST", "/v1/embeddings", 404, "not_found"),
+    ("POST", "/v1/models/target", 405, "method_not_allowed"),
     ("GET", "/v1", 404, "not_found"),
     ("GET", "/v1/completions", 405, "method_not_allowed"),
     ("POST", "/v1/models", 405, "method_not_allowed"),
@@ -381,7 +391,7 @@ def test_metrics_count_v1_requests_and_acceptance_by_position(client):
 def test_openapi_describes_the_v1_routes(pair):
     app = make_app(pair, max_new_tokens=4, max_new_tokens_limit=8, max_gamma=6)
     document = app.test_client().get("/openapi.json").get_json()
-    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(document["paths"])
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model}"} <= set(document["paths"])
     schemas = document["components"]["schemas"]
     for name, model in (("CompletionRequest", CompletionRequest), ("ChatCompletionRequest", ChatCompletionRequest)):
         request = schemas[name]
@@ -435,3 +445,7 @@ def test_schemathesis_against_the_v1_routes(pair, path, mode):
     assert statuses
     case = operation.schema["/v1/models"]["GET"].Case()
     case.validate_response(case.call())
+    case = operation.schema["/v1/models/{model}"]["GET"].Case(path_parameters={"model": "target"})
+    response = case.call()
+    assert response.status_code == 200
+    case.validate_response(response)

@@ -72,6 +72,7 @@ def test_models_list(client):
     (model,) = client.models.list().data
     assert model.id == "target" and model.object == "model" and model.owned_by == "specdec"
     assert model.model_extra["metadata"]["draft"] == "draft" and model.model_extra["max_model_len"] == 256
+    assert client.models.retrieve("target") == model  # GET /v1/models/{model}
 
 
 def test_completion_greedy_equals_the_targets_greedy_completion(client, reference):
@@ -180,6 +181,8 @@ def test_an_unknown_model_raises_not_found(client):
     with pytest.raises(openai.NotFoundError) as raised:
         client.chat.completions.create(model="gpt-4o-mini", messages=MESSAGES)
     assert raised.value.code == "model_not_found" and raised.value.param == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o-mini")
 
 
 def test_overload_raises_the_sdks_503_error_after_its_retries(server):

@@ -53,18 +53,29 @@ def _created(state):
     state.app.extensions["specdec.openai.created"] = int(time.time())
 
 
-@openai_routes.get("/models")
-def models():
-    svc = service()
-    svc.require_ready(g.record.started)
+def model_card(svc) -> Model:
+    """The served model as /v1/models describes it: the target's id, the draft and the defaults in its metadata."""
     info, sampling = svc.models.info, svc.settings.sampling
-    card = Model(id=served_model(svc), created=current_app.extensions["specdec.openai.created"],
+    return Model(id=served_model(svc), created=current_app.extensions["specdec.openai.created"],
                  max_model_len=info["context_length"],
                  metadata=ModelMetadata(draft=info["models"]["draft"], target=info["models"]["target"],
                                         device=info["device"], dtype=info["dtype"], method=sampling.method,
                                         gamma=sampling.gamma, drafter=sampling.drafter,
                                         verification=sampling.verification))
-    return ModelList(data=[card]).model_dump()
+
+
+@openai_routes.get("/models")
+def models():
+    svc = service()
+    svc.require_ready(g.record.started)
+    return ModelList(data=[model_card(svc)]).model_dump()
+
+
+@openai_routes.get("/models/<path:model>")  # a hub id has a slash in it
+def retrieve_model(model: str):
+    svc = service()
+    check_model(svc, model)
+    return model_card(svc).model_dump()
 
 
 @openai_routes.post("/completions")

@@ -257,6 +257,17 @@ def openai_document(settings: Settings, served_model: str | None, keyed: bool = 
                                                           "shutting_down (draining after SIGTERM)", retry_after=True),
                                              **(unauthorized if keyed else {})},
                                **security}},
+        "/v1/models/{model}": {"get": {
+            "operationId": "retrieveModel", "summary": "The served model by its id (OpenAI-compatible)",
+            "parameters": [{"name": "model", "in": "path", "required": True,
+                            "schema": {"type": "string", **({"enum": [served_model]} if served_model else {})},
+                            "description": "the served model's id, as /v1/models lists it"}],
+            "responses": {"200": _ok("the target model; the draft is in its metadata", ref("Model")),
+                          "404": errors["404"],
+                          "503": error("not_ready (still loading, or loading failed) or shutting_down (draining "
+                                       "after SIGTERM)", retry_after=True),
+                          **(unauthorized if keyed else {})},
+            **security}},
     }
     return paths, schemas
 

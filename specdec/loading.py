@@ -268,23 +268,29 @@ class PendingWeights:
 
 def read_soon(source: ModelSource, dtype: torch.dtype, trust_remote_code: bool = False) -> PendingWeights | None:
     """Start reading a local safetensors folder's weights into the process's memory, in a background thread; None
-    where `load_model` could not use them (not a local folder transformers implements)."""
+    where `load_model` could not use them (not a local folder transformers implements). The reading starts before
+    the config and the model's code are looked up (importing that code takes seconds, on one core)."""
     from .weights import checkpoint_files, read_safetensors
 
-    config, model_class = _causal_lm_class(source, trust_remote_code)
-    if model_class is None:
+    files = checkpoint_files(source.path) if source.local and not source.gguf_file else None
+    if files is None:
         return None
     cancel = threading.Event()
 
     def read():
         started = time.perf_counter()
         state = {}
-        for path in checkpoint_files(source.path):
+        for path in files:
             state.update(read_safetensors(path, dtype=dtype, cancel=cancel))
         return state, time.perf_counter() - started
 
     # an OS thread even under the service's gevent worker, where a threading.Thread would not overlap the draft
-    return PendingWeights(config, model_class, Job(read), cancel)
+    job = Job(read)
+    config, model_class = _causal_lm_class(source, trust_remote_code)
+    if model_class is None:
+        cancel.set()  # from_pretrained loads it as usual
+        return None
+    return PendingWeights(config, model_class, job, cancel)
 
 
 def _load_into_own_memory(source: ModelSource, role: str, dtype: torch.dtype, trust_remote_code: bool,
@@ -467,6 +473,28 @@ def check_tokenizers(draft_tokenizer, target_tokenizer) -> None:
             f"draft", field="draft_model")
 
 
+def load_and_check_tokenizers(draft_source: ModelSource, target_source: ModelSource, trust_remote_code: bool):
+    """The pair's tokenizer: the target's, and the draft's too where its files differ, checked to be the same
+    tokenizer (a mismatched pair fails here, before any model is built)."""
+    with startup_step("loaded the target's tokenizer"):
+        tokenizer = load_tokenizer(target_source, "target", trust_remote_code) \
+            if has_tokenizer(target_source) else None
+    if has_tokenizer(draft_source):
+        with startup_step("compared the draft's tokenizer files with the target's") as note:
+            same = tokenizer is not None and same_tokenizer_files(draft_source, target_source)
+            note["detail"] = "the same bytes: one tokenizer, not loaded again" if same else "not the same"
+        if not same:
+            with startup_step("loaded the draft's tokenizer and checked it against the target's"):
+                draft_tokenizer = load_tokenizer(draft_source, "draft", trust_remote_code)
+                if tokenizer is None:
+                    tokenizer = draft_tokenizer
+                else:
+                    check_tokenizers(draft_tokenizer, tokenizer)
+    if tokenizer is None:
+        raise SpecDecError(f"neither {target_source} nor {draft_source} has a tokenizer", field="target_model")
+    return tokenizer
+
+
 def load_pair(draft: str | None = None, target: str | None = None, device: str = "auto", dtype: str = "auto",
               device_map=None, trust_remote_code: bool = False, cpu_kernels: bool = True,
               draft_quantization: str | None = "int8"):
@@ -494,29 +522,12 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
         target_source = resolve_source(target, "target")
         draft_source = resolve_source(draft, "draft")
 
-    # tokenizers first: a mismatched pair fails before any weights are read
-    with startup_step("loaded the target's tokenizer"):
-        tokenizer = load_tokenizer(target_source, "target", trust_remote_code) \
-            if has_tokenizer(target_source) else None
-    if has_tokenizer(draft_source):
-        with startup_step("compared the draft's tokenizer files with the target's") as note:
-            same = tokenizer is not None and same_tokenizer_files(draft_source, target_source)
-            note["detail"] = "the same bytes: one tokenizer, not loaded again" if same else "not the same"
-        if not same:
-            with startup_step("loaded the draft's tokenizer and checked it against the target's"):
-                draft_tokenizer = load_tokenizer(draft_source, "draft", trust_remote_code)
-                if tokenizer is None:
-                    tokenizer = draft_tokenizer
-                else:
-                    check_tokenizers(draft_tokenizer, tokenizer)
-    if tokenizer is None:
-        raise SpecDecError(f"neither {target_source} nor {draft_source} has a tokenizer", field="target_model")
-
-    # the target's weights start coming in while the draft is prepared: reading waits on the disk and on fresh
-    # memory, the draft on packing its int8 layers
+    # the target's weights start coming in at once, beside the tokenizers and the draft: reading waits on the disk
+    # and on fresh memory, the others on one core; a pair that fails its checks drops them
     pending = read_soon(target_source, dtype, trust_remote_code) \
         if cpu_kernels and device.type == "cpu" and device_map is None else None
     try:
+        tokenizer = load_and_check_tokenizers(draft_source, target_source, trust_remote_code)
         draft_model = load_draft(draft_source, device, dtype, draft_quantization, trust_remote_code, cpu_kernels)
     except BaseException:
         if pending is not None:

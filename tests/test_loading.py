@@ -205,14 +205,24 @@ def test_broken_gguf_file_is_one_clear_error(tiny_pair_dirs, tmp_path):
     assert error.value.field == "target_model" and "broken.gguf" in str(error.value)
 
 
-def test_mismatched_tokenizers_fail_before_loading_weights(tiny_pair_dirs, tmp_path):
+def test_mismatched_tokenizers_fail_before_building_a_model_and_drop_the_targets_read(tiny_pair_dirs, tmp_path,
+                                                                                     monkeypatch):
+    from specdec import loading
+
     draft_dir, target_dir = tiny_pair_dirs
     draft_copy = copy_model(draft_dir, tmp_path / "draft", tokenizer=False)
     other_tokenizer(90).save_pretrained(draft_copy)
+    started, built = [], []
+    real_read_soon = loading.read_soon
+    monkeypatch.setattr(loading, "read_soon", lambda *a, **k: started.append(real_read_soon(*a, **k)) or started[-1])
+    monkeypatch.setattr(loading, "load_draft", lambda *a, **k: built.append(a))
     with pytest.raises(SpecDecError) as error:
         load_pair(draft_copy, target_dir)
     assert "90" in str(error.value) and "100" in str(error.value)
     assert error.value.field == "draft_model"
+    assert not built  # no model was built
+    (pending,) = started  # the target's weights had started coming in beside the tokenizers ...
+    assert pending is not None and pending.cancel.is_set()  # ... and were dropped
 
 
 def test_same_size_but_different_vocabularies_are_refused(tiny_pair_dirs, tmp_path):

@@ -500,7 +500,7 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     sets = list(report["summary"])
-    fig, axes = plt.subplots(1, len(sets), figsize=(7 * len(sets), 4.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(sets), figsize=(7 * len(sets), 5.6), squeeze=False)
     colours = {"greedy": "tab:blue", "sampling": "tab:orange"}
     for ax, set_name in zip(axes[0], sets):
         modes = list(report["summary"][set_name])
@@ -525,7 +525,7 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylabel("speedup over our target-only (per prompt)")
         ax.set_title(f"{set_name} prompts ({report['prompts'][set_name] if isinstance(report['prompts'], dict) else report['prompts']}"
                      f", {report['max_new_tokens']} tokens)")
-        ax.legend(fontsize=7, loc="upper left")
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2)  # below: bars reach the top
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -30,7 +30,14 @@ from pydantic_core import PydanticCustomError
 from ..params import DRAFTERS, MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SERVED_METHODS, VERIFICATIONS, SamplingParams
 from .config import Settings
 from .errors import ApiError
-from .protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS, HugeInteger, sampling_params
+from .protocol import (
+    DRAFTER_DESCRIPTION,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    VERIFICATION_DESCRIPTION,
+    HugeInteger,
+    sampling_params,
+)
 
 OPENAI_PREFIX = "/v1"
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
@@ -177,12 +184,8 @@ class _Request(BaseModel):
     top_k: int | None = Field(None, ge=0, description="extension: 0 keeps every token")
     gamma: int | None = Field(None, ge=1, description="extension: draft tokens proposed per round")
     method: Literal[SERVED_METHODS] | None = Field(None, description="extension: the decoding method")
-    drafter: Literal[DRAFTERS] | None = Field(
-        None, description="extension: who proposes: the draft model, prompt lookup (n-grams of the prompt and the "
-                          "text so far), or hybrid (lookup where it matches, the draft model elsewhere)")
-    verification: Literal[VERIFICATIONS] | None = Field(
-        None, description="extension: how proposals are verified: token by token, or the block jointly "
-                          "(Sun et al. 2025)")
+    drafter: Literal[DRAFTERS] | None = Field(None, description="extension: " + DRAFTER_DESCRIPTION)
+    verification: Literal[VERIFICATIONS] | None = Field(None, description="extension: " + VERIFICATION_DESCRIPTION)
 
     @field_validator("temperature")
     @classmethod
@@ -210,9 +213,10 @@ class _Request(BaseModel):
     def sampling(self, settings: Settings) -> SamplingParams:
         """The configured defaults with this request's sampling fields; a bad value is a 400 naming the field."""
         try:
-            return sampling_params(settings, max_new_tokens=self.requested_max_tokens, temperature=self.temperature,
-                                   top_k=self.top_k, top_p=self.top_p, seed=self.seed, gamma=self.gamma,
-                                   method=self.method, drafter=self.drafter, verification=self.verification)
+            # every SamplingParams field this request has, by the same name (as /predict reads them); the length
+            # under OpenAI's name
+            requested = {name: getattr(self, name, None) for name in SamplingParams.field_names()}
+            return sampling_params(settings, **{**requested, "max_new_tokens": self.requested_max_tokens})
         except ApiError as error:
             if error.field == "max_new_tokens":
                 error.field = self.max_tokens_field

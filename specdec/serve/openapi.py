@@ -232,6 +232,8 @@ def openai_document(settings: Settings, served_model: str | None, keyed: bool = 
         "503": error("overloaded (queue full or waited too long), not_ready, or shutting_down (draining after "
                      "SIGTERM)", retry_after=True),
     }
+    not_ready = error("not_ready (still loading, or loading failed) or shutting_down (draining after SIGTERM)",
+                      retry_after=True)  # the model routes' only 503s
     unauthorized = {"401": error("invalid_api_key: no API key, or not a valid one (`WWW-Authenticate`)")}
     security = {"security": [{"bearer": []}]} if keyed else {}
 
@@ -253,8 +255,7 @@ def openai_document(settings: Settings, served_model: str | None, keyed: bool = 
         "/v1/models": {"get": {"operationId": "listModels", "summary": "The served model (OpenAI-compatible)",
                                "responses": {"200": _ok("the target model; the draft is in its metadata",
                                                         ref("ModelList")),
-                                             "503": error("not_ready (still loading, or loading failed) or "
-                                                          "shutting_down (draining after SIGTERM)", retry_after=True),
+                                             "503": not_ready,
                                              **(unauthorized if keyed else {})},
                                **security}},
         "/v1/models/{model}": {"get": {
@@ -264,8 +265,7 @@ def openai_document(settings: Settings, served_model: str | None, keyed: bool = 
                             "description": "the served model's id, as /v1/models lists it"}],
             "responses": {"200": _ok("the target model; the draft is in its metadata", ref("Model")),
                           "404": errors["404"],
-                          "503": error("not_ready (still loading, or loading failed) or shutting_down (draining "
-                                       "after SIGTERM)", retry_after=True),
+                          "503": not_ready,
                           **(unauthorized if keyed else {})},
             **security}},
     }

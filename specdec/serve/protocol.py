@@ -32,6 +32,12 @@ NOT_BLANK_PATTERN = f"[^{WHITESPACE}]"
 NOT_BLANK = re.compile(NOT_BLANK_PATTERN)
 
 
+# the request fields' descriptions that /predict and the OpenAI routes share
+DRAFTER_DESCRIPTION = ("who proposes: the draft model, prompt lookup (n-grams of the prompt and the text so far), "
+                       "or hybrid (lookup where it matches, the draft model elsewhere)")
+VERIFICATION_DESCRIPTION = "how proposals are verified: token by token, or the block jointly (Sun et al. 2025)"
+
+
 class PredictRequest(BaseModel):
     """A /predict body as sent. null (or leaving a field out) means the configured default."""
 
@@ -51,11 +57,8 @@ class PredictRequest(BaseModel):
                              description="the same seed and request give the same completion; default random")
     gamma: int | None = Field(None, ge=1, description="draft tokens proposed per round")
     method: Literal[SERVED_METHODS] | None = None
-    drafter: Literal[DRAFTERS] | None = Field(
-        None, description="who proposes: the draft model, prompt lookup (n-grams of the prompt and the text so "
-                          "far), or hybrid (lookup where it matches, the draft model elsewhere)")
-    verification: Literal[VERIFICATIONS] | None = Field(
-        None, description="how proposals are verified: token by token, or the block jointly (Sun et al. 2025)")
+    drafter: Literal[DRAFTERS] | None = Field(None, description=DRAFTER_DESCRIPTION)
+    verification: Literal[VERIFICATIONS] | None = Field(None, description=VERIFICATION_DESCRIPTION)
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
         None, max_length=MAX_STOP_STRINGS, description="the completion ends before the first one found")
     chat: bool | None = Field(None, description="wrap the prompt in the model's chat template")

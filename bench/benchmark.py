@@ -20,6 +20,7 @@ the command, the machine and the date; `--from-runs` rebuilds them from the runs
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import platform
@@ -36,7 +37,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from specdec.adaptive import expected_speedup, fit_alpha
-from specdec.engine import SpeculativeDecoder
+from specdec.engine import LookupSettings, SpeculativeDecoder
 from specdec.kv_cache import input_device
 from specdec.loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels, use_stock_kernels
 from specdec.params import DRAFTERS, VERIFICATIONS
@@ -387,6 +388,9 @@ def markdown(report: dict) -> str:
     def fmt(value, spec=".2f"):
         return "-" if value is None else format(value, spec)
 
+    def times(value):
+        return "-" if value is None else f"{value:.2f}x"
+
     def pct(value):
         return "-" if value is None else f"{100 * value:+.1f}%"
 
@@ -396,12 +400,16 @@ def markdown(report: dict) -> str:
 
     sizes = report["prompts"] if isinstance(report["prompts"], dict) else {"default": report["prompts"]}
     lines = [f"# specdec benchmark, {report['date']}", "",
-             f"Command: `{report['command']}`", "",
-             "Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items() if v is not None), "",
+             f"Command: `{report['command']}`", ""]
+    if report.get("runs_from"):
+        lines += ["Runs from: " + "; ".join(report["runs_from"]), ""]
+    lines += ["Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items() if v is not None), "",
              f"Models: draft `{report['draft']}` (ours: quantization {report.get('draft_quantization', 'none')}), "
              f"target `{report['target']}`; prompts per set: "
              + ", ".join(f"{name} {n}" for name, n in sizes.items())
-             + f"; max_new_tokens {report['max_new_tokens']}, repeats {report['repeats']}, gamma {report['gamma']}.",
+             + f"; max_new_tokens {report['max_new_tokens']}, repeats {report['repeats']}, gamma {report['gamma']}"
+             + ("; lookup " + ", ".join(f"{k} {v}" for k, v in report["lookup"].items()) if report.get("lookup") else "")
+             + ".",
              "", "Methods are drafter-verification (model-token is Google speculative sampling with the draft model); "
              f"hf_lookup is Hugging Face's prompt lookup (prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS}), "
              "hf_assisted its assisted generation. Rounds: the share served by the draft model / the lookup / "
@@ -419,7 +427,7 @@ def markdown(report: dict) -> str:
                   ""]
     for kernels, block in report.get("verification_cost", {}).items():
         lines.append(f"Target forward over n new tokens ({kernels} kernels, {block['context']} cached): "
-                     + ", ".join(f"n={n}: {fmt(ms, '.0f')} ms ({fmt(block['relative'][n])}x)"
+                     + ", ".join(f"n={n}: {fmt(ms, '.0f')} ms ({times(block['relative'][n])})"
                                  for n, ms in block["ms"].items()))
         lines.append("")
     for set_name, modes in report["summary"].items():
@@ -436,9 +444,9 @@ def markdown(report: dict) -> str:
                       "|---|---|---|---|---" + ("|---" if own else "") + "|---|---|---|---|---|---|---|---|---|"]
             for method, row in rows.items():
                 lines.append(
-                    f"| {method} | {fmt(row['tokens_per_second'])} | {fmt(row.get('speedup_vs_target'))}x "
-                    f"| {fmt(row.get('speedup_vs_hf_lookup'))}x | {fmt(row.get('speedup_vs_hf_assisted'))}x "
-                    + (f"| {fmt(row.get('speedup_vs_hf_assisted_own_memory'))}x " if own else "")
+                    f"| {method} | {fmt(row['tokens_per_second'])} | {times(row.get('speedup_vs_target'))} "
+                    f"| {times(row.get('speedup_vs_hf_lookup'))} | {times(row.get('speedup_vs_hf_assisted'))} "
+                    + (f"| {times(row.get('speedup_vs_hf_assisted_own_memory'))} " if own else "")
                     + f"| {fmt(row.get('tokens_per_target_forward'))} | {fmt(row.get('acceptance_rate'))} "
                     f"| {shares(row)} | {pct(row.get('block_gain_accepted'))} | {fmt(row.get('alpha'))} "
                     f"| {fmt(row.get('mean_gamma'))} | {fmt(row.get('leviathan_bound'))} | {fmt(row.get('efficiency'))} "
@@ -450,10 +458,10 @@ def markdown(report: dict) -> str:
                           "the run's c). The efficiency above uses the alpha pooled over all prompts instead.", "",
                           "| method | vs target | range over prompts | vs HF lookup | vs HF assisted | efficiency |",
                           "|---|---|---|---|---|---|"]
-                lines += [f"| {m} | {fmt(row['prompt_speedup_vs_target'])}x "
-                          f"| {fmt(min(row['prompt_speedups_vs_target']))}-{fmt(max(row['prompt_speedups_vs_target']))}x "
-                          f"| {fmt(row.get('prompt_speedup_vs_hf_lookup'))}x "
-                          f"| {fmt(row.get('prompt_speedup_vs_hf_assisted'))}x | {fmt(row.get('prompt_efficiency'))} |"
+                lines += [f"| {m} | {times(row['prompt_speedup_vs_target'])} "
+                          f"| {fmt(min(row['prompt_speedups_vs_target']))}-{times(max(row['prompt_speedups_vs_target']))} "
+                          f"| {times(row.get('prompt_speedup_vs_hf_lookup'))} "
+                          f"| {times(row.get('prompt_speedup_vs_hf_assisted'))} | {fmt(row.get('prompt_efficiency'))} |"
                           for m, row in paired.items()]
             scored = {m: row for m, row in rows.items() if row.get("block_gain_accepted") is not None}
             if scored:
@@ -469,7 +477,7 @@ def markdown(report: dict) -> str:
                           "| method | first round (s) | decode tokens/s | vs target | decode efficiency |",
                           "|---|---|---|---|---|"]
                 lines += [f"| {m} | {fmt(row['first_chunk_seconds'])} | {fmt(row['decode_tokens_per_second'])} "
-                          f"| {fmt(row.get('decode_speedup_vs_target'))}x | {fmt(row.get('decode_efficiency'))} |"
+                          f"| {times(row.get('decode_speedup_vs_target'))} | {fmt(row.get('decode_efficiency'))} |"
                           for m, row in steady.items()]
             loop = {m: row for m, row in rows.items() if row.get("in_loop_bound")}
             if loop:
@@ -483,11 +491,11 @@ def markdown(report: dict) -> str:
                 lines += [f"| {m} | {fmt(row.get('draft_ms_per_forward'), '.1f')} "
                           f"| {fmt(row.get('target_ms_per_forward'), '.1f')} "
                           f"| {fmt(row.get('in_loop_cost_ratio'), '.3f')} "
-                          f"| {fmt(row.get('in_loop_verification_cost'))}x | {fmt(row.get('in_loop_bound'))} "
+                          f"| {times(row.get('in_loop_verification_cost'))} | {fmt(row.get('in_loop_bound'))} "
                           f"| {fmt(row.get('decode_efficiency_in_loop'))} |" for m, row in loop.items()]
             if block["gamma_sweep"]:
                 lines += ["", "Speedup of model-token over our target-only by gamma (greedy sweep): "
-                          + ", ".join(f"gamma {g}: {fmt(s)}x" for g, s in block["gamma_sweep"].items())]
+                          + ", ".join(f"gamma {g}: {times(s)}" for g, s in block["gamma_sweep"].items())]
             lines.append("")
     return "\n".join(lines)
 
@@ -633,6 +641,8 @@ def main(argv=None) -> int:
     if args.from_runs:
         earlier = [json.loads(Path(path).read_text(encoding="utf-8")) for path in args.from_runs.split(",")]
         runs = [run for report in earlier for run in report["runs"]]
+        runs_from = [f"`{report['command']}` ({report['date']})" for report in earlier]
+        lookup = earlier[0].get("lookup")
         cost = earlier[0].get("verification_cost", {})
         startup = earlier[0].get("startup")
         sizes: dict[str, int] = {}
@@ -642,13 +652,14 @@ def main(argv=None) -> int:
     else:
         startup = startup_profile(args) if args.startup else None  # first, while nothing else is resident
         runs, cost, sizes = measure(args, methods, modes, prompt_sets(args.prompt_sets))
+        runs_from, lookup = None, dataclasses.asdict(LookupSettings())  # the decoder's, as measure() makes it
 
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m bench.benchmark"] + (argv if argv is not None else sys.argv[1:])),
               "machine": machine_info(), "draft": args.draft or "default", "target": args.target or "default",
               "draft_quantization": args.draft_quantization, "prompts": sizes,
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "gamma": args.gamma,
-              "startup": startup, "verification_cost": cost,
+              "runs_from": runs_from, "lookup": lookup, "startup": startup, "verification_cost": cost,
               "summary": {name: summarise([r for r in runs if r["set"] == name], args.gamma) for name in sizes},
               "runs": runs}
     out = Path(args.out)

@@ -101,13 +101,13 @@ def configurations(max_gamma: int = 6):
     """(name, kind, gamma, LookupSettings) of the grid."""
     for gamma in range(2, max_gamma + 1):
         yield f"model g{gamma}", "model", gamma, LookupSettings()
-    for max_ngram, max_tokens, min_match in itertools.product((1, 2, 3, 4, 5), (4, 6, 8, 10, 12, 16), (1, 2, 3)):
+    for max_ngram, max_tokens, min_match in itertools.product((1, 2, 3, 4, 5, 6, 8), (4, 6, 8, 10, 12, 16), (1, 2, 3)):
         if min_match <= max_ngram:
             yield (f"lookup n{max_ngram} k{max_tokens} m{min_match}", "lookup", 4,
                    LookupSettings(max_ngram=max_ngram, max_tokens=max_tokens, min_match=min_match,
                                   hybrid_min_match=min_match))
-    for max_ngram, max_tokens, hybrid_min_match, extend in itertools.product((2, 3, 4), (6, 8, 10, 12, 16), (1, 2, 3),
-                                                                            (False, True)):
+    for max_ngram, max_tokens, hybrid_min_match, extend in itertools.product((2, 3, 4, 6, 8), (6, 8, 10, 12, 16),
+                                                                            (1, 2, 3, 4, 5, 6, 8), (False, True)):
         if hybrid_min_match <= max_ngram:
             yield (f"hybrid g4 n{max_ngram} k{max_tokens} h{hybrid_min_match}{' extend' if extend else ''}",
                    "hybrid", 4, LookupSettings(max_ngram=max_ngram, max_tokens=max_tokens,
@@ -163,8 +163,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "costs.json").write_text(json.dumps({"target_ms": target_ms, "draft_ms": draft_ms}) + "\n")
+    texts_from = None  # how the texts were made, where a reused file says
     if args.texts:
-        texts = json.loads(Path(args.texts).read_text())["texts"]
+        reused = json.loads(Path(args.texts).read_text())
+        texts, texts_from = reused["texts"], reused.get("texts_from")
     else:
         texts = {}
         for name, path in (("grounded", GROUNDED_PROMPTS), ("default", DEFAULT_PROMPTS)):
@@ -191,9 +193,12 @@ def main(argv=None) -> int:
 
     report = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "command": " ".join(["python -m bench.drafting"] + (
         argv if argv is not None else sys.argv[1:])), "machine": machine_info(), "target_ms": target_ms,
-        "draft_ms": draft_ms, "rows": rows, "texts": texts}
+        "draft_ms": draft_ms, "texts_from": texts_from, "rows": rows, "texts": texts}
     (out / "drafting.json").write_text(json.dumps(report) + "\n", encoding="utf-8")
+    made = [f"Greedy texts: {'; '.join(texts_from)}.", ""] if texts_from else []
+    prompts = ", ".join(f"{name} {len(items)}" for name, items in texts.items())
     lines = [f"# Greedy drafting simulated ({report['date']})", "", f"Command: `{report['command']}`", "",
+             f"Prompts: {prompts}.", ""] + made + [
              "Forward ms by width (target / draft): " + ", ".join(
                  f"{w}: {target_ms[w]:.0f} / {draft_ms[w]:.0f}" for w in sorted(target_ms)), "",
              "| configuration | default: speedup | tokens/fwd | lookup rounds | grounded: speedup | tokens/fwd "

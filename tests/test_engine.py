@@ -336,7 +336,7 @@ def test_ngram_index_finds_the_most_recent_longest_match():
 
 
 def test_lookup_proposes_the_continuation_of_the_match_with_one_hot_distributions():
-    lookup = LookupDrafter(16, LookupSettings(max_ngram=2, max_tokens=4))
+    lookup = LookupDrafter(16, LookupSettings(max_ngram=2, max_tokens=4, hybrid_min_match=2))
     ids = [1, 2, 3, 4, 5, 9, 1, 2]
     proposal = lookup.propose(ids, gamma=1, limit=10)
     assert proposal.tokens == [3, 4, 5, 9] and proposal.drafters == ["lookup"] * 4  # max_tokens, not gamma
@@ -344,7 +344,7 @@ def test_lookup_proposes_the_continuation_of_the_match_with_one_hot_distribution
         assert q.shape == (16,) and q[token] == 1 and q.sum() == 1
     assert lookup.propose(ids, gamma=1, limit=2).tokens == [3, 4]
     assert lookup.propose([1, 2, 3, 7], gamma=4, limit=4).tokens == []  # 7 never occurred before
-    strict = LookupDrafter(16, LookupSettings(max_ngram=2), min_match=2)
+    strict = LookupDrafter(16, LookupSettings(max_ngram=2, hybrid_min_match=2), min_match=2)
     assert strict.propose([1, 2, 3, 1, 7, 1], gamma=1, limit=3).tokens == []  # only 1-gram matches
     assert strict.propose([1, 2, 3, 1, 2], gamma=1, limit=3).tokens == [3, 1, 2]
 
@@ -352,7 +352,7 @@ def test_lookup_proposes_the_continuation_of_the_match_with_one_hot_distribution
 def test_hybrid_uses_lookup_where_it_matches_and_the_model_elsewhere():
     target = make_model("llama", seed=0, initializer_range=0.1)
     decoder = SpeculativeDecoder(target, target)  # every proposal of the model is accepted
-    prompt = [7, 8, 9, 10, 11, 12, 7, 8]
+    prompt = [7, 8, 9, 10, 11, 12, 7, 8, 9, 10]
     greedy = decoder.generate(prompt, max_new_tokens=30, method="target", temperature=0).token_ids
     result = decoder.generate(prompt, max_new_tokens=30, gamma=3, temperature=0, drafter="hybrid")
     assert result.token_ids == greedy
@@ -364,7 +364,7 @@ def test_hybrid_uses_lookup_where_it_matches_and_the_model_elsewhere():
     assert stats.accepted_by_drafter["model"] == result.sources.count("draft")
     assert stats.accepted_by_drafter.get("lookup", 0) == result.sources.count("lookup")
     assert stats.drafter == "hybrid" and stats.verification == "token"
-    # the first round is the lookup's: (7, 8) occurred before, followed by 9, 10, ...
+    # the first round is the lookup's: (7, 8, 9, 10) occurred before, followed by 11, 12, ...
     first = next(iter(decoder.stream(prompt, max_new_tokens=30, gamma=3, temperature=0, drafter="hybrid")))
     assert first.sources[0] in ("lookup", "resampled")
 
@@ -381,7 +381,7 @@ def test_lookup_rounds_leave_the_draft_cache_to_catch_up_in_one_forward(monkeypa
         return original(self, tokens, keep)
 
     monkeypatch.setattr(CachedModel, "forward", spy)
-    prompt = [7, 8, 9, 10, 11, 12, 7, 8]
+    prompt = [7, 8, 9, 10, 11, 12, 7, 8, 9, 10]
     result = decoder.generate(prompt, max_new_tokens=30, gamma=2, temperature=0, drafter="hybrid")
     assert result.stats.draft_forwards == len(fed) < result.stats.accepted_by_drafter["model"] + len(fed)
     assert max(fed[1:]) > 2  # a model round after lookup rounds fed what it missed in one forward
@@ -398,7 +398,9 @@ def test_adaptive_gamma_with_lookup_is_reproducible_whatever_lengths_it_chooses(
     for lengths, max_tokens in (([1], 1), ([6], 10), ([2, 5, 1, 3], 3)):
         schedule = iter(lengths * 100)
         monkeypatch.setattr("specdec.engine.AdaptiveGamma.choose", lambda self: next(schedule))
-        decoder = SpeculativeDecoder(draft, target, lookup=LookupSettings(max_tokens=max_tokens))
+        # short matches suffice here (2 tokens for the hybrid), so that the lookup serves often on this prompt
+        decoder = SpeculativeDecoder(draft, target, lookup=LookupSettings(max_ngram=3, max_tokens=max_tokens,
+                                                                          hybrid_min_match=2))
         runs.append(decoder.generate(prompt, max_new_tokens=30, gamma=None, temperature=0.3, seed=11, drafter=drafter))
     assert len({tuple(run.token_ids) for run in runs}) == 1
     assert len({run.stats.target_forwards for run in runs}) > 1  # the rounds did differ

@@ -35,6 +35,10 @@ PROMPT = [1, 2]
 # the lookup proposes 6, 7 here (the target gives them 0.46 and 0.35 at t1), and after a rejection matches only
 # some n-grams, so the lookup, the draft model and the target alone each serve rounds
 LOOKUP_PROMPT = [7, 4, 6, 7, 4]
+# the hybrid hands a position to the lookup on a match of 4 tokens or more (LookupSettings.hybrid_min_match):
+# here it proposes 1, 1, 4 (the target gives 1 0.42 at t1, then 1 0.33), and the draft model serves what
+# follows a rejection
+HYBRID_PROMPT = [1, 4, 5, 2, 1, 1, 4, 5, 2]
 SAMPLES = 20_000
 DRAFTER_SAMPLES = 2_000  # the wrong rule's p-value is far below 1e-6 for every drafter at this size (tested)
 SETTINGS = {  # name: (temperature, top_k, top_p)
@@ -235,7 +239,7 @@ DRAFTER_RULES = [("model", "block", "google"), ("lookup", "token", "deepmind"), 
 
 
 def prompt_for(drafter: str) -> list[int]:
-    return PROMPT if drafter == "model" else LOOKUP_PROMPT
+    return {"model": PROMPT, "lookup": LOOKUP_PROMPT, "hybrid": HYBRID_PROMPT}[drafter]
 
 
 def assert_drafters_served(drafter: str, totals: dict, n: int) -> None:

@@ -14,7 +14,8 @@ the models exactly as `from_pretrained` loads them: `hf_lookup` (its prompt look
 For every speculative run, the blocks it drafted are also scored under both verification rules
 (EXPECTED_ACCEPTED): block verification's gain in accepted tokens per round on the same proposals.
 Only generated tokens count, never prompt tokens. Results go to JSON, a Markdown table and a PNG plot, with
-the command, the machine and the date; `--from-runs` rebuilds them from the runs of earlier reports.
+the command, the machine, the date and prompt lookup's settings (`--lookup KEY=VALUE,...` changes them);
+`--from-runs` rebuilds them from the runs of earlier reports.
 """
 
 import argparse
@@ -573,6 +574,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--draft-quantization", default="int8", choices=DRAFT_QUANTIZATIONS,
                         help="our methods' draft, as load_pair gives it (HF baselines always use the stock draft)")
+    parser.add_argument("--lookup", type=lookup_settings, default=LookupSettings(),
+                        help="prompt lookup's settings, as KEY=VALUE,... of specdec.drafters.LookupSettings "
+                             "(e.g. hybrid_min_match=3,extend=true); unnamed ones keep their defaults")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--from-runs", default=None,
                         help="comma-separated results.json files: summarise their runs instead of running")
@@ -588,6 +592,30 @@ def prompt_sets(spec: str) -> dict[str, Path]:
         name, _, path = item.partition("=")
         sets[name] = Path(path) if path else PROMPT_SETS[name]
     return sets
+
+
+def lookup_settings(text: str) -> LookupSettings:
+    """`--lookup`'s KEY=VALUE,... as LookupSettings; an unknown key or a bad value is an argparse error."""
+    fields = {field.name: field for field in dataclasses.fields(LookupSettings)}
+    values = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in fields:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected KEY=VALUE with KEY one of {', '.join(fields)}")
+        key, value = key.strip(), value.strip().lower()
+        if fields[key].type in (bool, "bool"):
+            if value not in ("true", "false", "1", "0"):
+                raise argparse.ArgumentTypeError(f"{key}: expected true or false, got {value!r}")
+            values[key] = value in ("true", "1")
+        else:
+            try:
+                values[key] = int(value)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{key}: expected an integer, got {value!r}") from None
+    try:
+        return LookupSettings(**values)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def measure(args, methods: list[str], modes: list[str], sets: dict[str, Path]) -> tuple[list[dict], dict, dict]:
@@ -608,7 +636,8 @@ def measure(args, methods: list[str], modes: list[str], sets: dict[str, Path]) -
     planned = {step[2] for step in plan}
     decoder = None
     if planned - {"hf_target", "hf_assisted", "hf_lookup"}:
-        decoder = SpeculativeDecoder(ours_draft(draft, args.draft_quantization), ours_target(target), tokenizer)
+        decoder = SpeculativeDecoder(ours_draft(draft, args.draft_quantization), ours_target(target), tokenizer,
+                                     lookup=args.lookup)
         if decoder.target_model is not target:
             cost["ours"] = verification_cost(decoder.target_model, verify_width)
     # HF on weights in the process's memory: our target's copy with stock layers, and a float copy of the draft
@@ -652,7 +681,7 @@ def main(argv=None) -> int:
     else:
         startup = startup_profile(args) if args.startup else None  # first, while nothing else is resident
         runs, cost, sizes = measure(args, methods, modes, prompt_sets(args.prompt_sets))
-        runs_from, lookup = None, dataclasses.asdict(LookupSettings())  # the decoder's, as measure() makes it
+        runs_from, lookup = None, dataclasses.asdict(args.lookup)  # the decoder's, as measure() makes it
 
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m bench.benchmark"] + (argv if argv is not None else sys.argv[1:])),

@@ -35,6 +35,16 @@ def test_method_names_map_to_drafter_rule_and_variant():
         bench.our_method("ngram-token", 4)
 
 
+def test_lookup_settings_are_read_by_name_and_checked():
+    settings = bench.lookup_settings("hybrid_min_match=3, extend=true,max_tokens=10")
+    assert (settings.hybrid_min_match, settings.extend, settings.max_tokens) == (3, True, 10)
+    assert settings.max_ngram == bench.LookupSettings().max_ngram  # unnamed: the default
+    assert bench.lookup_settings("") == bench.LookupSettings()
+    for bad in ("gamma=3", "max_tokens", "max_tokens=many", "extend=maybe", "max_tokens=0", "min_match=9"):
+        with pytest.raises(bench.argparse.ArgumentTypeError):
+            bench.lookup_settings(bad)
+
+
 def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     draft, target = tiny_pair_dirs
     grounded = tmp_path / "grounded.jsonl"  # short enough for the tiny models' 256 positions, and repetitive
@@ -45,8 +55,10 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     methods = bench.OUR_METHODS + bench.HF_METHODS + ("google", "hf_assisted_own_memory")
     assert bench.main(["--draft", draft, "--target", target, "--limit", "3", "--max-new-tokens", "6",
                        "--prompt-sets", f"default,grounded={grounded}", "--methods", ",".join(methods),
-                       "--sweep-gammas", "1,3", "--sweep-prompts", "2", "--out", str(out)]) == 0
+                       "--sweep-gammas", "1,3", "--sweep-prompts", "2", "--lookup", "hybrid_min_match=2",
+                       "--out", str(out)]) == 0
     report = json.loads((out / "results.json").read_text())
+    assert report["lookup"]["hybrid_min_match"] == 2 and "hybrid_min_match 2" in (out / "results.md").read_text()
     assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
     table = (out / "results.md").read_text()
     assert "| hybrid-block |" in table and "| hf_lookup |" in table and report["machine"]["torch"]

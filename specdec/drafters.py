@@ -206,8 +206,10 @@ class HybridDrafter:
     """Lookup where its match is long enough (hybrid_min_match), the draft model elsewhere, decided per position.
 
     A round is served by the drafter of its first position and ends where the other one would take over, unless
-    `extend` lets them mix (the draft model extending a lookup run, or the lookup a model run); each drafter's cap
-    (gamma for the model, max_tokens for the lookup) ends the round.
+    `extend` lets them mix (the lookup continuing where the draft model's tokens found a match, and the draft
+    model again where that match ends); each drafter's cap (gamma for the model, max_tokens for the lookup) ends
+    the round. A round the lookup starts always runs to its cap or the limit: its proposals copy earlier text,
+    whose n-grams all have a known next token, so mixing starts with the draft model.
     """
 
     name = "hybrid"

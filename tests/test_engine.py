@@ -1,5 +1,6 @@
 """engine.py: greedy equivalence, stopping, provenance, stats, reproducibility and input checks."""
 
+import random
 import time
 
 import pytest
@@ -349,6 +350,55 @@ def test_lookup_proposes_the_continuation_of_the_match_with_one_hot_distribution
     assert strict.propose([1, 2, 3, 1, 2], gamma=1, limit=3).tokens == [3, 1, 2]
 
 
+def test_a_lookup_run_once_started_runs_to_its_cap():
+    """Its proposals copy earlier text, whose n-grams all have a known next token: a lookup proposal is empty or
+    as long as max_tokens and the limit allow (why mixed hybrid rounds start with the draft model)."""
+    rng = random.Random(4)
+    for _ in range(300):
+        settings = LookupSettings(max_ngram=rng.randint(1, 5), max_tokens=rng.randint(1, 8), hybrid_min_match=1)
+        min_match = rng.randint(1, settings.max_ngram)
+        ids = [rng.randrange(rng.choice((2, 4, 8))) for _ in range(rng.randint(1, 40))]
+        limit = rng.randint(1, 10)
+        proposal = LookupDrafter(8, settings, min_match=min_match).propose(ids, gamma=1, limit=limit)
+        assert len(proposal) in (0, min(settings.max_tokens, limit)), (ids, settings, min_match, limit)
+
+
+class ScriptedModel:
+    """A draft model as HybridDrafter sees it, proposing the tokens of a script with one-hot distributions."""
+
+    name = "model"
+
+    def __init__(self, script: list[int]):
+        self.script = iter(script)
+
+    def draw(self, seq, generator=None):
+        token = next(self.script)
+        return token, torch.nn.functional.one_hot(torch.tensor(token), 16).float()
+
+    def rollback(self, length: int) -> None:
+        pass
+
+
+@pytest.mark.parametrize("extend", [False, True])
+def test_hybrid_hands_over_within_a_round_only_with_extend(extend):
+    from specdec.drafters import HybridDrafter
+
+    settings = LookupSettings(max_ngram=2, max_tokens=6, hybrid_min_match=1, extend=extend)
+    hybrid = HybridDrafter(ScriptedModel([5, 11, 12, 13]), LookupDrafter(16, settings, min_match=1), settings)
+    ids = [9, 5, 6, 1, 2, 3, 7]  # 7 is new: the draft model proposes; its 5 occurred before, followed by 6 ...
+    proposal = hybrid.propose(ids, gamma=3, limit=10, generator_at=lambda i: None)
+    if not extend:  # the round ends where the lookup would take over
+        assert proposal.tokens == [5] and proposal.drafters == ["model"]
+        return
+    # ... the lookup copies 6, 1, 2, 3, 7 up to the end of the committed text, where (3, 7) and (7) have no
+    # known next token: the draft model takes over again, until its gamma of 3 ends the round
+    assert proposal.tokens == [5, 6, 1, 2, 3, 7, 11, 12]
+    assert proposal.drafters == ["model"] + ["lookup"] * 5 + ["model"] * 2
+    for token, q in zip(proposal.tokens, proposal.probs):
+        assert q.shape == (16,) and q[token] == 1 and q.sum() == 1
+    assert torch.equal(proposal.draft_probs(), torch.stack(proposal.probs))
+
+
 def test_hybrid_uses_lookup_where_it_matches_and_the_model_elsewhere():
     target = make_model("llama", seed=0, initializer_range=0.1)
     decoder = SpeculativeDecoder(target, target)  # every proposal of the model is accepted
@@ -367,6 +417,45 @@ def test_hybrid_uses_lookup_where_it_matches_and_the_model_elsewhere():
     # the first round is the lookup's: (7, 8, 9, 10) occurred before, followed by 11, 12, ...
     first = next(iter(decoder.stream(prompt, max_new_tokens=30, gamma=3, temperature=0, drafter="hybrid")))
     assert first.sources[0] in ("lookup", "resampled")
+
+
+def mixed_rounds(monkeypatch) -> list[list[str]]:
+    """The drafters of every hybrid round that mixed the two, recorded as they are proposed."""
+    from specdec.drafters import HybridDrafter
+
+    mixed, original = [], HybridDrafter.propose
+
+    def spy(self, *args, **kwargs):
+        proposal = original(self, *args, **kwargs)
+        if len(set(proposal.drafters)) > 1:
+            mixed.append(list(proposal.drafters))
+        return proposal
+
+    monkeypatch.setattr(HybridDrafter, "propose", spy)
+    return mixed
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_hybrid_rounds_that_mix_drafters_keep_greedy_equivalence(arch, monkeypatch):
+    """LookupSettings.extend: the draft model extends a lookup run and the lookup a model run within one round."""
+    mixed = mixed_rounds(monkeypatch)
+    target = make_model(arch, seed=0, initializer_range=0.1)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1]
+    decoder = SpeculativeDecoder(perturbed_copy(target, noise=0.2), target,
+                                 lookup=LookupSettings(max_ngram=3, max_tokens=3, hybrid_min_match=2, extend=True))
+    reference = decoder.generate(prompt, max_new_tokens=40, method="target", temperature=0).token_ids
+    accepted = proposed = 0
+    for rule in VERIFICATIONS:
+        for method, gamma in (("google", 1), ("deepmind", 4), ("google", None)):
+            result = decoder.generate(prompt, max_new_tokens=40, method=method, gamma=gamma, temperature=0,
+                                      drafter="hybrid", verification=rule)
+            assert result.token_ids == reference, (arch, rule, method, gamma)
+            accepted, proposed = accepted + result.stats.accepted, proposed + result.stats.proposed
+    assert 0 < accepted < proposed  # acceptances and rejections
+    # the lookup took over from the draft model within a round (at gamma 1 on every architecture here)
+    assert any(a == "model" and b == "lookup" for drafters in mixed for a, b in zip(drafters, drafters[1:]))
+    for drafters in mixed:  # each drafter's cap holds within a mixed round: gamma <= 4 model, 3 lookup tokens
+        assert drafters.count("lookup") <= 3 and drafters.count("model") <= 8
 
 
 def test_lookup_rounds_leave_the_draft_cache_to_catch_up_in_one_forward(monkeypatch):

@@ -9,7 +9,8 @@ Every drafter (model, lookup, hybrid) under both verification rules passes the s
 settings, with fewer draws (DRAFTER_SAMPLES): the wrong rule still fails by a wide margin at that size, for
 each drafter (tested), and a deliberately wrong block verification fails too. Lookup needs repeated n-grams,
 so those tests start from a repetitive prompt, and assert from the stats that the lookup proposed and was
-accepted.
+accepted. The hybrid with `extend` (rounds that mix the two drafters) passes it too, under both rules and the
+six settings, on a prompt where most completions have such a round (counted).
 
 The many-sample tests use TinyCausalLM (a one-layer model on a real DynamicCache, ~10x cheaper per forward
 than a library model); one test repeats the check on a transformers Llama with its own cache.
@@ -26,6 +27,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 
 from specdec import SpeculativeDecoder
 from specdec.cpu.linear import pack_linears, quantization_supported, quantize_linears
+from specdec.drafters import HybridDrafter, LookupSettings
 from tests.support.models import make_model
 from tests.support.tiny_lm import TinyCausalLM
 
@@ -39,6 +41,12 @@ LOOKUP_PROMPT = [7, 4, 6, 7, 4]
 # here it proposes 1, 1, 4 (the target gives 1 0.42 at t1, then 1 0.33), and the draft model serves what
 # follows a rejection
 HYBRID_PROMPT = [1, 4, 5, 2, 1, 1, 4, 5, 2]
+# LookupSettings.extend lets one round mix the drafters. A lookup round never runs out of matches before its
+# cap (its own proposals copy earlier text), so the mixing starts with the draft model: this prompt ends with a
+# token seen nowhere before, the draft model proposes, and its token, where it occurred before, hands the next
+# position to the lookup (searched among random prompts for rounds that mix and lookup tokens accepted)
+EXTEND = LookupSettings(max_ngram=2, max_tokens=2, hybrid_min_match=1, extend=True)
+EXTEND_PROMPT = [2, 1, 7, 6, 1, 0, 4]
 SAMPLES = 10_000  # twice the size at which the wrong rule fails far below 1e-6 (test_wrong_rule_fails_the_test)
 DRAFTER_SAMPLES = 2_000  # the wrong rule's p-value is far below 1e-6 for every drafter at this size (tested)
 SETTINGS = {  # name: (temperature, top_k, top_p)
@@ -309,3 +317,43 @@ def test_block_verification_stopping_at_the_weight_fails_the_test(close_pair, mo
     counts = draw(SpeculativeDecoder(draft, target), "google", SETTINGS["t1"], DRAFTER_SAMPLES, gamma=None,
                   seed=17, verification="block")
     assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), DRAFTER_SAMPLES) < 1e-6
+
+
+def count_mixed_rounds(monkeypatch) -> list[int]:
+    """[mixed rounds]: hybrid rounds whose proposals came from both drafters, counted as they are proposed."""
+    mixed, original = [0], HybridDrafter.propose
+
+    def spy(self, *args, **kwargs):
+        proposal = original(self, *args, **kwargs)
+        mixed[0] += len(set(proposal.drafters)) > 1
+        return proposal
+
+    monkeypatch.setattr(HybridDrafter, "propose", spy)
+    return mixed
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("setting, rule, variant", [
+    ("t0.7", "token", "google"), ("t1", "block", "deepmind"), ("t1.5", "token", "deepmind"),
+    ("topk3", "block", "google"), ("topp0.8", "token", "google"), ("t0.8-topk5-topp0.9", "block", "deepmind")])
+def test_hybrid_rounds_mixing_drafters_follow_target_distribution(close_pair, monkeypatch, setting, rule, variant):
+    """LookupSettings.extend: rounds that mix lookup and model proposals, under both rules and six settings."""
+    draft, target = close_pair
+    mixed, totals = count_mixed_rounds(monkeypatch), {}
+    expected = exact_distribution(target, *SETTINGS[setting], prompt=EXTEND_PROMPT)
+    counts = draw(SpeculativeDecoder(draft, target, lookup=EXTEND), variant, SETTINGS[setting], DRAFTER_SAMPLES,
+                  gamma=3, seed=19, prompt=EXTEND_PROMPT, totals=totals, drafter="hybrid", verification=rule)
+    assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
+    assert mixed[0] > 0.2 * DRAFTER_SAMPLES
+    assert totals[("accepted_by_drafter", "lookup")] > 0.1 * DRAFTER_SAMPLES
+    assert totals[("accepted_by_drafter", "model")] > 0.3 * DRAFTER_SAMPLES
+
+
+@pytest.mark.statistical
+def test_wrong_rule_fails_the_test_on_mixed_rounds(close_pair, monkeypatch):
+    draft, target = close_pair
+    monkeypatch.setattr("specdec.verification.residual_probs", plain_p)
+    counts = draw(SpeculativeDecoder(draft, target, lookup=EXTEND), "google", SETTINGS["t1"], DRAFTER_SAMPLES,
+                  gamma=3, seed=19, prompt=EXTEND_PROMPT, drafter="hybrid")
+    assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"], prompt=EXTEND_PROMPT),
+                           DRAFTER_SAMPLES) < 1e-6

@@ -15,7 +15,16 @@ import random
 import sys
 
 from .errors import SpecDecError
-from .params import DRAFTERS, MAX_GAMMA, METHODS, MIN_TEMPERATURE, VERIFICATIONS, SamplingParams
+from .params import (
+    DRAFTERS,
+    LOOKUP_KEYS,
+    MAX_GAMMA,
+    METHODS,
+    MIN_TEMPERATURE,
+    VERIFICATIONS,
+    LookupSettings,
+    SamplingParams,
+)
 from .stats import GenerationStats, summed
 from .text import decoder_of, encode_prompt, token_pieces
 
@@ -30,6 +39,11 @@ TITLES = {
     "deepmind": "DeepMind speculative sampling (Chen et al. 2023)",
     "google": "Google speculative sampling (Leviathan et al. 2023)",
 }
+LOOKUP_HELP = {"max_ngram": "prompt lookup matches suffixes of up to N tokens first, then shorter ones",
+               "max_tokens": "prompt lookup proposes up to N tokens per round",
+               "min_match": "--drafter lookup proposes on a match of N tokens or more",
+               "hybrid_min_match": "--drafter hybrid hands a position to the lookup on a match of N tokens or more",
+               "extend": "let a hybrid round mix the drafters (the lookup continuing the draft model's run)"}
 DRAFTER_TITLES = {"model": "the draft model proposing", "lookup": "prompt lookup proposing",
                   "hybrid": "prompt lookup where it matches, the draft model elsewhere"}
 # source -> (plain-text mark, ANSI colour, legend text)
@@ -107,6 +121,13 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
     parser.add_argument("--verification", default=SamplingParams.verification, choices=VERIFICATIONS,
                         help="token (token by token) or block (the block jointly, Sun et al. 2025) (default "
                              f"{SamplingParams.verification})")
+    for field, flag in LOOKUP_KEYS.items():
+        default = getattr(LookupSettings, field)
+        if isinstance(default, bool):
+            parser.add_argument(f"--{flag}", action="store_true", help=LOOKUP_HELP[field])
+        else:
+            parser.add_argument(f"--{flag}", type=_checked(int, lambda n: n >= 1, "must be an integer >= 1"),
+                                default=default, metavar="N", help=f"{LOOKUP_HELP[field]} (default {default})")
     parser.add_argument("--temperature", type=_sampling_flag("temperature", float, f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}"),
                         default=1.0, help="0 is greedy (default 1.0)")
     parser.add_argument("--top_k", type=_sampling_flag("top_k", int, "must be an integer >= 0"), default=20,
@@ -210,17 +231,27 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def lookup_settings(args) -> LookupSettings:
+    """The lookup flags as LookupSettings; a SpecDecError naming the flag where they do not fit together."""
+    try:
+        return LookupSettings(**{field: getattr(args, flag) for field, flag in LOOKUP_KEYS.items()})
+    except SpecDecError as error:
+        flag = LOOKUP_KEYS.get(error.field, error.field)
+        raise SpecDecError(f"--{flag}: {error.message}", field=flag) from None
+
+
 def run(args, out=None) -> int:
     """Load the pair, decode with each method, print; errors propagate to main."""
     from .engine import SpeculativeDecoder
     from .loading import load_pair
 
     out = sys.stdout if out is None else out
+    lookup = lookup_settings(args)  # checked before the models load
     draft, target, tokenizer = load_pair(args.draft_model_name, args.target_model_name, device=args.device,
                                          dtype=args.dtype, device_map=args.device_map,
                                          trust_remote_code=args.trust_remote_code,
                                          draft_quantization=args.draft_quantization)
-    decoder = SpeculativeDecoder(draft, target, tokenizer)
+    decoder = SpeculativeDecoder(draft, target, tokenizer, lookup=lookup)
     if not args.input:
         raise SpecDecError("the input is empty", field="input")
     if args.chat and not getattr(tokenizer, "chat_template", None):

@@ -23,34 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import CachedModel
+from .params import LookupSettings
 from .sampling import sample
 
 SOURCES = {"model": "draft", "lookup": "lookup"}  # drafter -> the source label of its accepted tokens
-
-
-@dataclass(frozen=True)
-class LookupSettings:
-    """Prompt lookup's knobs. The defaults were chosen by measurement on the default pair: greedy rounds replayed
-    over the 44 prompts of both sets with measured forward costs by width (bench/results/drafting/drafting.md,
-    `python -m bench.drafting`). 6 proposals (7 rows to verify) stay within the few-rows kernel's cheap widths;
-    10 cost more in wider forwards than they won in accepted tokens. Matches of 8 tokens are tried first: the
-    longer the match, the surer its continuation (95% of the lookup's proposals after an 8-token match were the
-    target's on the grounded prompts, against 19% after a 1-token one). The hybrid leaves to the draft model
-    every position whose match is shorter than 4 tokens, where the draft model is right far more often than the
-    lookup: the smallest threshold that lost nothing on any kind of default prompt (code completion 0.98x model
-    drafting, against 0.89x with 2), for 1.14x model drafting on the grounded prompts (1.16x with 2)."""
-
-    max_ngram: int = 8  # the longest suffix tried first; shorter ones down to min_match after it
-    max_tokens: int = 6  # proposals per round at most
-    min_match: int = 1  # LookupDrafter proposes on a match this long or longer
-    hybrid_min_match: int = 4  # HybridDrafter hands a position to the lookup on a match this long or longer
-    extend: bool = False  # HybridDrafter: may a round mix the two drafters (the model extending a lookup run)?
-
-    def __post_init__(self):
-        if not 1 <= self.min_match <= self.max_ngram or not 1 <= self.hybrid_min_match <= self.max_ngram:
-            raise ValueError("lookup needs 1 <= min_match, hybrid_min_match <= max_ngram")
-        if self.max_tokens < 1:
-            raise ValueError("lookup needs max_tokens >= 1")
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Sampling parameters: the one frozen, validated type that the engine, CLI, HTTP API, config and benchmark share.
+"""Sampling parameters: the one frozen, validated type that the engine, CLI, HTTP API, config and benchmark share;
+and prompt lookup's settings (LookupSettings), which the engine, CLI, config and benchmark share.
 
 Method names and every bound live here; the HTTP request models and the settings take theirs from these names.
 """
@@ -85,3 +86,40 @@ def _finite(value, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise SpecDecError(f"{name} must be a finite number, got {value!r}", field=name)
     return float(value)
+
+
+# LookupSettings' fields under the names the service configuration (config/default.toml, SPECDEC_*) and the
+# command line (--lookup_max_ngram, ...) give them
+LOOKUP_KEYS = {"max_ngram": "lookup_max_ngram", "max_tokens": "lookup_max_tokens", "min_match": "lookup_min_match",
+               "hybrid_min_match": "hybrid_min_match", "extend": "hybrid_extend"}
+
+
+@dataclass(frozen=True)
+class LookupSettings:
+    """Prompt lookup's knobs. The defaults were chosen by measurement on the default pair: greedy rounds replayed
+    over the 44 prompts of both sets with measured forward costs by width (bench/results/drafting/drafting.md,
+    `python -m bench.drafting`). 6 proposals (7 rows to verify) stay within the few-rows kernel's cheap widths;
+    10 cost more in wider forwards than they won in accepted tokens. Matches of 8 tokens are tried first: the
+    longer the match, the surer its continuation (95% of the lookup's proposals after an 8-token match were the
+    target's on the grounded prompts, against 19% after a 1-token one). The hybrid leaves to the draft model
+    every position whose match is shorter than 4 tokens, where the draft model is right far more often than the
+    lookup: the smallest threshold that lost nothing on any kind of default prompt (code completion 0.98x model
+    drafting, against 0.89x with 2), for 1.14x model drafting on the grounded prompts (1.16x with 2)."""
+
+    max_ngram: int = 8  # the longest suffix tried first; shorter ones down to min_match after it
+    max_tokens: int = 6  # proposals per round at most
+    min_match: int = 1  # LookupDrafter proposes on a match this long or longer
+    hybrid_min_match: int = 4  # HybridDrafter hands a position to the lookup on a match this long or longer
+    extend: bool = False  # HybridDrafter: may a round mix the drafters (the lookup continuing the model's run)?
+
+    def __post_init__(self):
+        for name in ("max_ngram", "max_tokens", "min_match", "hybrid_min_match"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpecDecError(f"lookup {name} must be an integer >= 1, got {value!r}", field=name)
+        if not isinstance(self.extend, bool):
+            raise SpecDecError(f"lookup extend must be true or false, got {self.extend!r}", field="extend")
+        for name in ("min_match", "hybrid_min_match"):
+            if getattr(self, name) > self.max_ngram:
+                raise SpecDecError(f"lookup {name} ({getattr(self, name)}) must not exceed max_ngram "
+                                   f"({self.max_ngram})", field=name)

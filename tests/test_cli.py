@@ -48,6 +48,24 @@ def test_all_runs_the_earlier_tools_order_then_the_other_drafters(pair_args, cap
     assert list(completions(capsys.readouterr().out))[3:] == ["google", "google+model", "google+hybrid"]
 
 
+def test_lookup_flags_reach_the_decoder(pair_args, capsys, monkeypatch):
+    from specdec import engine
+    from specdec.params import LookupSettings
+
+    built, original = [], engine.SpeculativeDecoder.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append(self.lookup)
+
+    monkeypatch.setattr(engine.SpeculativeDecoder, "__init__", spy)
+    assert main(pair_args + ["--method", "google", "--drafter", "hybrid", "-M", "4", "--lookup_max_ngram", "3",
+                             "--lookup_max_tokens", "2", "--hybrid_min_match", "2", "--hybrid_extend"]) == 0
+    assert built == [LookupSettings(max_ngram=3, max_tokens=2, hybrid_min_match=2, extend=True)]
+    assert main(pair_args + ["--method", "google", "-M", "4"]) == 0
+    assert built[-1] == LookupSettings()  # no flags: the measured defaults
+
+
 def test_greedy_speculative_output_is_the_targets_greedy_text(pair_args, capsys):
     assert main(pair_args + ["--temperature", "0", "-M", "24"]) == 0
     texts = completions(capsys.readouterr().out)
@@ -122,6 +140,10 @@ def test_benchmark_prints_speedup_over_target(pair_args, capsys):
     (["--dtype", "int4"], "dtype"),
     (["--draft_quantization", "int4"], "draft_quantization"),
     (["--device", "tpu9"], "device"),
+    (["--lookup_max_tokens", "0"], "--lookup_max_tokens"),
+    (["--lookup_max_ngram", "many"], "--lookup_max_ngram"),
+    (["--hybrid_min_match", "9"], "--hybrid_min_match"),  # more than --lookup_max_ngram's 8
+    (["--lookup_max_ngram", "2", "--lookup_min_match", "3"], "--lookup_min_match"),
 ])
 def test_bad_flags_exit_non_zero_with_one_message(pair_args, capsys, flags, fragment):
     assert main(pair_args + flags) == 2

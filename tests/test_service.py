@@ -81,6 +81,19 @@ def test_readyz_reports_load_seconds_and_resident_memory(pair, caplog):
     assert f"specdec_load_seconds {body['load_seconds']}" in metrics
 
 
+def test_the_service_decodes_with_its_configured_lookup_settings(pair):
+    from specdec.params import LookupSettings
+
+    app = create_app({"loader": lambda settings: pair, "lookup_max_ngram": 3, "lookup_max_tokens": 2,
+                      "hybrid_min_match": 2, "hybrid_extend": True})
+    assert app.extensions["specdec"].wait_until_loaded(30)
+    assert app.extensions["specdec"].decoder.lookup == LookupSettings(max_ngram=3, max_tokens=2, hybrid_min_match=2,
+                                                                      extend=True)
+    answer = app.test_client().post("/predict", json={"prompt": "ab ab ab ab", "drafter": "hybrid",
+                                                      "temperature": 0, "max_new_tokens": 6})
+    assert answer.status_code == 200 and answer.get_json()["stats"]["drafter"] == "hybrid"
+
+
 def test_metrics_expose_the_process_resident_memory(client):
     samples = dict(line.rsplit(" ", 1) for line in client.get("/metrics").get_data(as_text=True).splitlines()
                    if line and not line.startswith("#"))

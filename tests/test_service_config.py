@@ -4,6 +4,7 @@ import tomllib
 
 import pytest
 
+from specdec.params import LookupSettings
 from specdec.serve.config import DEFAULT_FILE, ConfigError, Settings, load_settings
 
 
@@ -33,6 +34,15 @@ def test_drafter_and_verification_from_the_environment():
         load_settings(environ={"SPECDEC_DRAFTER": "ngram"})
 
 
+def test_lookup_settings_default_to_the_measured_ones_and_come_from_the_environment():
+    assert load_settings().lookup == LookupSettings()  # config/default.toml says what the engine's defaults say
+    settings = load_settings(environ={"SPECDEC_LOOKUP_MAX_NGRAM": "5", "SPECDEC_LOOKUP_MAX_TOKENS": "10",
+                                      "SPECDEC_LOOKUP_MIN_MATCH": "2", "SPECDEC_HYBRID_MIN_MATCH": "3",
+                                      "SPECDEC_HYBRID_EXTEND": "true"})
+    assert settings.lookup == LookupSettings(max_ngram=5, max_tokens=10, min_match=2, hybrid_min_match=3,
+                                             extend=True)
+
+
 def test_loader_may_be_an_import_path():
     settings = load_settings(environ={"SPECDEC_LOADER": "specdec.loading:load_pair"})
     from specdec.loading import load_pair
@@ -52,6 +62,10 @@ def test_loader_may_be_an_import_path():
     ({}, {"gamma": 20}, ["gamma (20) exceeds max_gamma (16)"]),
     ({}, {"max_body_bytes": 10}, ["max_body_bytes = 10 (from create_app)"]),
     ({"SPECDEC_LOADER": "no.such.module:load"}, {}, ["loader", "cannot import"]),
+    ({"SPECDEC_LOOKUP_MAX_TOKENS": "0"}, {}, ["lookup_max_tokens = '0'", "SPECDEC_LOOKUP_MAX_TOKENS"]),
+    ({"SPECDEC_HYBRID_MIN_MATCH": "9"}, {}, ["hybrid_min_match (9) exceeds lookup_max_ngram (8)"]),
+    ({}, {"lookup_max_ngram": 2}, ["hybrid_min_match (4) exceeds lookup_max_ngram (2)"]),
+    ({"SPECDEC_HYBRID_EXTEND": "sometimes"}, {}, ["hybrid_extend", "SPECDEC_HYBRID_EXTEND"]),
     ({"SPECDEC_CONFIG": "/no/such/file.toml"}, {}, ["SPECDEC_CONFIG", "/no/such/file.toml", "does not exist"]),
 ])
 def test_invalid_configuration_is_one_clear_error(environ, overrides, words):

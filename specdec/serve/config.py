@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import SpecDecError
-from ..params import DRAFTERS, MAX_GAMMA, SERVED_METHODS, VERIFICATIONS, SamplingParams
+from ..params import DRAFTERS, LOOKUP_KEYS, MAX_GAMMA, SERVED_METHODS, VERIFICATIONS, LookupSettings, SamplingParams
 
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "config" / "default.toml"
 ENV_PREFIX = "SPECDEC_"
@@ -48,6 +48,11 @@ class Settings(BaseModel):
     top_p: float = Field(gt=0, le=1, allow_inf_nan=False)
     top_k: int = Field(ge=0)
     max_new_tokens: int = Field(ge=1)
+    lookup_max_ngram: int = Field(ge=1, le=64)
+    lookup_max_tokens: int = Field(ge=1, le=64)
+    lookup_min_match: int = Field(ge=1)
+    hybrid_min_match: int = Field(ge=1)
+    hybrid_extend: bool
     max_new_tokens_limit: int = Field(ge=1)
     max_prompt_tokens: int = Field(ge=1)
     queue_size: int = Field(ge=0)
@@ -106,6 +111,11 @@ class Settings(BaseModel):
                               temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, drafter=self.drafter,
                               verification=self.verification)
 
+    @property
+    def lookup(self) -> LookupSettings:
+        """Prompt lookup's settings, for every request's lookup and hybrid drafters."""
+        return LookupSettings(**{field: getattr(self, key) for field, key in LOOKUP_KEYS.items()})
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.max_new_tokens > self.max_new_tokens_limit:
@@ -117,6 +127,10 @@ class Settings(BaseModel):
             self.sampling  # noqa: B018 - the defaults must be valid sampling parameters
         except SpecDecError as error:
             raise ValueError(f"{error.field}: {error.message}") from None
+        limit = LOOKUP_KEYS["max_ngram"]
+        for key in (LOOKUP_KEYS["min_match"], LOOKUP_KEYS["hybrid_min_match"]):
+            if getattr(self, key) > getattr(self, limit):
+                raise ValueError(f"{key} ({getattr(self, key)}) exceeds {limit} ({getattr(self, limit)})")
         return self
 
 

@@ -71,7 +71,7 @@ class ModelHost:
                     s.device, s.dtype)
         try:
             draft, target, tokenizer = (s.loader or load_configured_pair)(s)
-            decoder = SpeculativeDecoder(draft, target, tokenizer)
+            decoder = SpeculativeDecoder(draft, target, tokenizer, lookup=s.lookup)
             self.eos_token_ids = sorted(eos_token_ids(target, tokenizer))
             with startup_step("warmed up (two greedy tokens)"):
                 warmup = tokenizer.encode("Hello", add_special_tokens=False)[:1] or [0]

@@ -1,11 +1,11 @@
 """specdec: exact speculative decoding (Leviathan et al. 2023, Chen et al. 2023) for Hugging Face causal LMs."""
 
 from .errors import SpecDecError
-from .params import METHODS, SamplingParams
+from .params import METHODS, LookupSettings, SamplingParams
 from .stats import GenerationStats
 
-__all__ = ["METHODS", "Chunk", "GenerationResult", "GenerationStats", "SamplingParams", "SpecDecError",
-           "SpeculativeDecoder", "Stream", "load_pair"]
+__all__ = ["METHODS", "Chunk", "GenerationResult", "GenerationStats", "LookupSettings", "SamplingParams",
+           "SpecDecError", "SpeculativeDecoder", "Stream", "load_pair"]
 ENGINE_NAMES = ("Chunk", "GenerationResult", "SpeculativeDecoder", "Stream")
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from specdec import SpecDecError, SpeculativeDecoder
-from specdec.drafters import LookupDrafter, LookupSettings, NgramIndex
+from specdec import LookupSettings
+from specdec.drafters import LookupDrafter, NgramIndex
 from specdec.kv_cache import CachedModel
 from specdec.params import DRAFTERS, VERIFICATIONS
 from tests.support.models import ARCHITECTURES, make_model, make_tokenizer, perturbed_copy

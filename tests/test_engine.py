@@ -6,8 +6,7 @@ import time
 import pytest
 import torch
 
-from specdec import SpecDecError, SpeculativeDecoder
-from specdec import LookupSettings
+from specdec import LookupSettings, SpecDecError, SpeculativeDecoder
 from specdec.drafters import LookupDrafter, NgramIndex
 from specdec.kv_cache import CachedModel
 from specdec.params import DRAFTERS, VERIFICATIONS

@@ -113,13 +113,9 @@ class LookupSettings:
     extend: bool = False  # HybridDrafter: may a round mix the drafters (the lookup continuing the model's run)?
 
     def __post_init__(self):
-        for name in ("max_ngram", "max_tokens", "min_match", "hybrid_min_match"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise SpecDecError(f"lookup {name} must be an integer >= 1, got {value!r}", field=name)
+        _integer(self.max_ngram, "max_ngram", 1)
+        _integer(self.max_tokens, "max_tokens", 1)
+        for name in ("min_match", "hybrid_min_match"):  # a match is at most max_ngram tokens long
+            _integer(getattr(self, name), name, 1, self.max_ngram)
         if not isinstance(self.extend, bool):
-            raise SpecDecError(f"lookup extend must be true or false, got {self.extend!r}", field="extend")
-        for name in ("min_match", "hybrid_min_match"):
-            if getattr(self, name) > self.max_ngram:
-                raise SpecDecError(f"lookup {name} ({getattr(self, name)}) must not exceed max_ngram "
-                                   f"({self.max_ngram})", field=name)
+            raise SpecDecError(f"extend must be true or false, got {self.extend!r}", field="extend")

@@ -11,6 +11,7 @@ from specdec.drafters import LookupDrafter, NgramIndex
 from specdec.kv_cache import CachedModel
 from specdec.params import DRAFTERS, VERIFICATIONS
 from tests.support.models import ARCHITECTURES, make_model, make_tokenizer, perturbed_copy
+from tests.support.spies import hybrid_rounds
 
 PROMPT = [3, 1, 4, 1, 5]
 
@@ -419,26 +420,10 @@ def test_hybrid_uses_lookup_where_it_matches_and_the_model_elsewhere():
     assert first.sources[0] in ("lookup", "resampled")
 
 
-def mixed_rounds(monkeypatch) -> list[list[str]]:
-    """The drafters of every hybrid round that mixed the two, recorded as they are proposed."""
-    from specdec.drafters import HybridDrafter
-
-    mixed, original = [], HybridDrafter.propose
-
-    def spy(self, *args, **kwargs):
-        proposal = original(self, *args, **kwargs)
-        if len(set(proposal.drafters)) > 1:
-            mixed.append(list(proposal.drafters))
-        return proposal
-
-    monkeypatch.setattr(HybridDrafter, "propose", spy)
-    return mixed
-
-
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_hybrid_rounds_that_mix_drafters_keep_greedy_equivalence(arch, monkeypatch):
-    """LookupSettings.extend: the draft model extends a lookup run and the lookup a model run within one round."""
-    mixed = mixed_rounds(monkeypatch)
+    """LookupSettings.extend: rounds where the lookup continues the draft model's run keep greedy equivalence."""
+    rounds = hybrid_rounds(monkeypatch)
     target = make_model(arch, seed=0, initializer_range=0.1)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1]
     decoder = SpeculativeDecoder(perturbed_copy(target, noise=0.2), target,
@@ -452,6 +437,7 @@ def test_hybrid_rounds_that_mix_drafters_keep_greedy_equivalence(arch, monkeypat
             assert result.token_ids == reference, (arch, rule, method, gamma)
             accepted, proposed = accepted + result.stats.accepted, proposed + result.stats.proposed
     assert 0 < accepted < proposed  # acceptances and rejections
+    mixed = [drafters for drafters in rounds if len(set(drafters)) > 1]
     # the lookup took over from the draft model within a round (at gamma 1 on every architecture here)
     assert any(a == "model" and b == "lookup" for drafters in mixed for a, b in zip(drafters, drafters[1:]))
     for drafters in mixed:  # each drafter's cap holds within a mixed round: gamma <= 4 model, 3 lookup tokens

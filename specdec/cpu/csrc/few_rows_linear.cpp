@@ -3,9 +3,10 @@
 // out[m, n] = x[m, :] . weight[n, :] + bias[n], weight in nn.Linear's own row-major layout (no copy, no repacking).
 // Each weight row is read from memory once for all rows of x, so up to 8 rows cost little more than one: the
 // product is bound by memory bandwidth. Beyond 8 rows the arithmetic shows (12 rows about 1.6x one row, measured
-// with bench.linear), but the weight is still read from memory once. Every output is summed in the same order whatever M is, so a layer gives bitwise the
-// same values for a verification over gamma tokens as for decoding them one by one. Written with GCC vector extensions
-// (GCC 12+ or clang): one source for AVX-512, AVX2 or anything else the compiler targets.
+// with bench.linear), but the weight is still read from memory once. Every output is summed in the same order
+// whatever M is, so a layer gives bitwise the same values for a verification over gamma tokens as for decoding them
+// one by one. Written with GCC vector extensions (GCC 12+ or clang): one source for AVX-512, AVX2 or anything else
+// the compiler targets.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

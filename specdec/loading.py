@@ -501,11 +501,11 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     """(draft_model, target_model, tokenizer) ready for SpeculativeDecoder; None or "default" is the default pair.
 
     `device_map` (e.g. "auto") spreads the target over several GPUs with accelerate; the draft stays on `device`.
-    `cpu_kernels`: float32 CPU linear layers computed by our few-rows kernel (or packed once by oneDNN where it
-    cannot be built; specdec.cpu.linear), so verifying gamma tokens in one target forward costs about what one
-    token does, CPU attention over grouped heads skips copying the cache per head (specdec.cpu.attention), and
+    `cpu_kernels`: float32 and bfloat16 CPU linear layers computed by our few-rows kernel (float32 ones packed once
+    by oneDNN where it cannot be built; specdec.cpu.linear), so verifying gamma tokens in one target forward costs
+    about what one token does, CPU attention over grouped heads skips copying the cache per head (specdec.cpu.attention), and
     CPU weights are read straight into the process's memory, tensor by tensor, not memory-mapped (`load_model`);
-    models elsewhere or in half precision keep the library's kernels.
+    models elsewhere or in float16 keep the library's kernels.
     `draft_quantization`: "int8" (default) quantizes a float32 CPU draft's linear layers to int8, which makes
     proposing 2.5-3x cheaper; outputs stay exactly the target's, since the rejection rule uses the quantized
     draft's own probabilities. "none" (or None) keeps the draft as loaded. The target is never quantized. The
@@ -560,7 +560,8 @@ def apply_cpu_kernels(draft_model, target_model, draft_quantization: str = "none
     """What `load_pair` does to a loaded pair, in place: the int8 draft, few-rows (or packed) linears, grouped-head
     attention, CPU weights in the process's own memory.
 
-    Each step touches float32 (or sdpa) CPU layers only; models on CUDA or in half precision are left as loaded.
+    Each step touches float32 or bfloat16 (or sdpa) CPU layers only; models on CUDA or in float16 are left as
+    loaded.
     Returns whether the target's forward changed (so its verification cost may have).
     """
     prepare_draft(draft_model, draft_quantization, cpu_kernels)

@@ -1,4 +1,5 @@
-"""cpu/attention.py: grouped-query SDPA without repeated heads matches the library's attention exactly."""
+"""cpu/attention.py: grouped-query SDPA without repeated heads, row by row after cached tokens, matches the
+library's attention."""
 
 import copy
 
@@ -7,39 +8,81 @@ import torch
 from transformers import DynamicCache
 
 from specdec import SpeculativeDecoder
-from specdec.cpu.attention import GQA_ATTENTION, restore_attention, use_gqa_attention
+from specdec.cpu.attention import GQA_ATTENTION, is_causal_mask, restore_attention, use_gqa_attention
 from tests.support.models import make_model, perturbed_copy
 
 
-def _logits_with_cache(model, ids, context, new):
+def _logits_with_cache(model, ids, context, new, attention_mask=None):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         if context:
-            model(input_ids=ids[:, :context], cache=cache, use_cache=True)
-        return model(input_ids=ids[:, context:context + new], cache=cache, use_cache=True).logits
+            model(input_ids=ids[:, :context], cache=cache, use_cache=True,
+                  attention_mask=None if attention_mask is None else attention_mask[:, :context])
+        return model(input_ids=ids[:, context:context + new], cache=cache, use_cache=True,
+                     attention_mask=None if attention_mask is None else attention_mask[:, :context + new]).logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_multi_token_forward_with_cache_matches_sdpa(arch, monkeypatch):
-    sdpa, grouped_calls = torch.nn.functional.scaled_dot_product_attention, []
+def _recording_sdpa(monkeypatch):
+    """(query rows, whether grouped and masked) of every SDPA call from here on."""
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
 
-    def counting_sdpa(*args, **kwargs):
-        query, mask = args[0], kwargs.get("attn_mask")
-        grouped_calls.append(kwargs.get("enable_gqa", False) and mask is not None and query.shape[2] > 1)
+    def recording(*args, **kwargs):
+        calls.append((args[0].shape[2], kwargs.get("enable_gqa", False) and kwargs.get("attn_mask") is not None))
         return sdpa(*args, **kwargs)
 
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    return calls
+
+
+def _stock_and_grouped(arch):
     stock = make_model(arch, seed=0, hidden=64, initializer_range=0.1)
     assert stock.config._attn_implementation == "sdpa"
     grouped = copy.deepcopy(stock)
     assert use_gqa_attention(grouped)
     assert grouped.config._attn_implementation == GQA_ATTENTION
     assert stock.config._attn_implementation == "sdpa"  # other models are untouched
+    return stock, grouped
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_multi_token_forward_with_cache_matches_sdpa_row_by_row(arch, monkeypatch):
+    calls = _recording_sdpa(monkeypatch)
+    stock, grouped = _stock_and_grouped(arch)
     ids = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(0))
+    layers = grouped.config.num_hidden_layers
     for context, new in ((0, 30), (12, 1), (12, 2), (12, 5), (25, 5)):
-        torch.testing.assert_close(_logits_with_cache(grouped, ids, context, new),
-                                   _logits_with_cache(stock, ids, context, new), atol=1e-5, rtol=1e-5)
-    assert any(grouped_calls)  # masked multi-token forwards took the grouped path (the library's sdpa never does)
+        expected = _logits_with_cache(stock, ids, context, new)
+        calls.clear()
+        torch.testing.assert_close(_logits_with_cache(grouped, ids, context, new), expected, atol=1e-5, rtol=1e-5)
+        if context and new > 1:  # after the cached tokens: one query per call, each new token its own
+            assert [rows for rows, _ in calls[-layers * new:]] == [1] * layers * new
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_padded_forward_takes_the_grouped_path_and_matches_sdpa(arch, monkeypatch):
+    calls = _recording_sdpa(monkeypatch)
+    stock, grouped = _stock_and_grouped(arch)
+    ids = torch.randint(0, 64, (1, 20), generator=torch.Generator().manual_seed(0))
+    padded = torch.ones(1, 20, dtype=torch.long)
+    padded[0, :3] = 0  # left padding: not the plain causal mask
+    for context, new in ((0, 20), (12, 5)):
+        expected = _logits_with_cache(stock, ids, context, new, padded)
+        calls.clear()
+        torch.testing.assert_close(_logits_with_cache(grouped, ids, context, new, padded), expected,
+                                   atol=1e-5, rtol=1e-5)
+        assert all(grouped_masked for _, grouped_masked in calls[-grouped.config.num_hidden_layers:])
+
+
+def test_causal_mask_recognised_only_when_plain():
+    causal = torch.ones(3, 7, dtype=torch.bool).tril(4)[None, None]
+    assert is_causal_mask(causal, 3, 7)
+    assert not is_causal_mask(None, 3, 7)
+    assert not is_causal_mask(causal.float(), 3, 7)
+    assert not is_causal_mask(causal.expand(2, 1, 3, 7), 3, 7)  # two sequences
+    padded = causal.clone()
+    padded[..., 0] = False
+    assert not is_causal_mask(padded, 3, 7)
+    assert not is_causal_mask(torch.ones(1, 1, 3, 7, dtype=torch.bool), 3, 7)  # sees the future
 
 
 def test_greedy_unchanged_and_reversible():

@@ -6,6 +6,7 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from specdec import SpeculativeDecoder
 from specdec.cpu.linear import (
@@ -19,6 +20,7 @@ from specdec.cpu.linear import (
     quantize_linears,
     unpack_linears,
 )
+from specdec.loading import use_cpu_kernels
 from tests.support.models import ARCHITECTURES, make_model, perturbed_copy
 
 HAS_TOOLCHAIN = bool((shutil.which("c++") or shutil.which("g++")) and shutil.which("ninja"))
@@ -38,18 +40,26 @@ def test_kernel_builds_where_a_compiler_is():
 
 
 @needs_kernel
-@pytest.mark.parametrize("out_features,in_features", [(8, 16), (37, 53), (96, 1040), (3, 5)])
+@pytest.mark.parametrize("out_features,in_features", [(8, 16), (37, 53), (96, 1040), (3, 5), (3, 70)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_matches_linear_and_is_batch_invariant(out_features, in_features, bias):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_linear_and_is_batch_invariant(out_features, in_features, bias, dtype):
     assert few_rows_kernel()
     generator = torch.Generator().manual_seed(out_features * in_features)
-    weight = torch.randn(out_features, in_features, generator=generator)
-    b = torch.randn(out_features, generator=generator) if bias else None
-    x = torch.randn(20, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator).to(dtype)
+    b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
+    x = torch.randn(20, in_features, generator=generator).to(dtype)
     one_by_one = [torch.ops.specdec.few_rows_linear(x[i:i + 1], weight, b) for i in range(len(x))]
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
     for rows in range(1, 21):  # one chunk up to 8 rows, then equal chunks (9 as 5 + 4, 12 as 6 + 6, 20 as 7 + 7 + 6)
         out = torch.ops.specdec.few_rows_linear(x[:rows], weight, b)
-        torch.testing.assert_close(out, F.linear(x[:rows], weight, b), atol=1e-4, rtol=1e-5)
+        assert out.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, F.linear(x[:rows], weight, b), atol=1e-4, rtol=1e-5)
+        else:  # float32 sums rounded once: within bfloat16's rounding (8 bits), as close as torch's own linear
+            error = (out.double() - exact[:rows]).abs()
+            assert (error <= 2 ** -8 * exact[:rows].abs() + 1e-3).all()
+            assert error.max() <= 2 * (F.linear(x[:rows], weight, b).double() - exact[:rows]).abs().max() + 1e-6
         # each row summed in the same order whatever the number of rows: bitwise the one-row values
         assert torch.equal(out, torch.cat(one_by_one[:rows]))
 
@@ -58,7 +68,8 @@ def test_kernel_matches_linear_and_is_batch_invariant(out_features, in_features,
 def test_kernel_rejects_what_it_cannot_compute():
     assert few_rows_kernel()
     x, weight = torch.randn(2, 8), torch.randn(4, 8)
-    for bad_x, bad_w in [(x.double(), weight.double()), (x, weight.t()), (torch.randn(2, 7), weight),
+    for bad_x, bad_w in [(x.double(), weight.double()), (x.half(), weight.half()), (x.bfloat16(), weight),
+                         (x, weight.bfloat16()), (x, weight.t()), (torch.randn(2, 7), weight),
                          (x, torch.randn(8, 4).t())]:
         with pytest.raises(RuntimeError, match="few_rows_linear"):
             torch.ops.specdec.few_rows_linear(bad_x, bad_w, None)
@@ -128,9 +139,60 @@ def test_few_rows_layers_share_the_stock_weights():
     assert {name: p for name, p in model.named_parameters()} == weights  # same names, same tensors: no copy
 
 
-def test_half_precision_is_left_alone():
-    model = make_model("llama").to(torch.bfloat16)
+def test_float16_is_left_alone():
+    model = make_model("llama").to(torch.float16)
     assert pack_linears(model) == 0
+    assert pack_linears(model, few_rows=False) == 0
+
+
+def test_bfloat16_without_the_kernel_is_left_alone():
+    model = make_model("llama").to(torch.bfloat16)
+    assert pack_linears(model, few_rows=False) == 0  # oneDNN packing is float32 only
+
+
+def _pair_with_kernels(arch: str, dtype: torch.dtype):
+    target = make_model(arch, seed=0, hidden=64, initializer_range=0.1)
+    draft = perturbed_copy(target, noise=0.3)
+    target, draft = target.to(dtype), draft.to(dtype)
+    for model in (draft, target):
+        assert use_cpu_kernels(model)
+        assert any(isinstance(m, FewRowsLinear) for m in model.modules())
+    return draft, target
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_verification_forward_gives_the_one_by_one_logits(arch, dtype):
+    """What greedy equivalence rests on: with our kernels (few-rows linears, attention row by row), a forward over
+    several new tokens after cached ones gives bitwise the logits of decoding them one by one."""
+    _, target = _pair_with_kernels(arch, dtype)
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for width in (2, 5, 8, 12):
+            cache = DynamicCache(config=target.config)
+            target(input_ids=ids[:, :8], cache=cache, use_cache=True)
+            single = copy.deepcopy(cache)
+            together = target(input_ids=ids[:, 8:8 + width], cache=cache, use_cache=True).logits
+            one_by_one = torch.cat([target(input_ids=ids[:, i:i + 1], cache=single, use_cache=True).logits
+                                    for i in range(8, 8 + width)], dim=1)
+            assert together.dtype == dtype
+            assert torch.equal(together, one_by_one)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bfloat16_greedy_equals_target_only_for_every_drafter(arch):
+    draft, target = _pair_with_kernels(arch, torch.bfloat16)
+    decoder = SpeculativeDecoder(draft, target)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so that the lookup proposes
+    reference = decoder.generate(prompt, max_new_tokens=40, method="target", temperature=0).token_ids
+    for method in ("google", "deepmind"):
+        for drafter in ("model", "lookup", "hybrid"):
+            for verification in ("token", "block"):
+                out = decoder.generate(prompt, max_new_tokens=40, method=method, temperature=0, gamma=4,
+                                       drafter=drafter, verification=verification)
+                assert out.token_ids == reference, (method, drafter, verification)
 
 
 def _float_linears(model):

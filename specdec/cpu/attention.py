@@ -1,10 +1,14 @@
-"""Grouped-query attention without copied key/value heads, for multi-token verification on CPU.
+"""Attention for multi-token verification on CPU: row by row after cached tokens, grouped heads not copied.
 
 For a forward over several new tokens with a KV cache (a verification over gamma+1 tokens), transformers' sdpa
 path has a mask and then copies every key and value head `num_key_value_groups` times (`repeat_kv`) in every
 layer: Qwen2.5-1.5B (12 query heads, 2 key/value heads) copies its whole cache six-fold twice per layer, about
 10 ms of a 350 ms verification. torch's SDPA takes grouped heads directly (`enable_gqa=True`), with the same
-results. The function is registered through transformers' AttentionInterface under its own name and selected
+results. And one masked call over all new tokens sums in another order than decoding them one by one does, so
+with the plain causal mask (one sequence, no padding) each new token gets the unmasked one-query call that
+decoding it makes: with the few-rows linears (specdec.cpu.linear), a verification forward gives bitwise the logits
+of target-only decoding, float32 or bfloat16, and greedy speculative output equals greedy target-only output by
+construction, not only away from near ties. Padded masks keep the single grouped call. The function is registered through transformers' AttentionInterface under its own name and selected
 per model (`set_attn_implementation`), so other models in the process keep the library's behaviour.
 """
 
@@ -23,16 +27,36 @@ GQA_ATTENTION = "specdec_sdpa_gqa"
 def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention, except that several masked queries over grouped heads skip `repeat_kv`."""
+    """transformers' sdpa attention, except that several masked queries over grouped heads skip `repeat_kv`, and
+    that new tokens after cached ones (a verification) are attended to one by one, as decoding them would."""
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     plain = all(kwargs.get(name) is None for name in ("position_bias", "softcap")) \
         and not kwargs.get("output_attentions", False)
-    if not (grouped and plain and attention_mask is not None and query.shape[2] > 1):
+    rows, keys = query.shape[2], key.shape[2]
+    if plain and 1 < rows < keys and is_causal_mask(attention_mask, rows, keys):
+        # Each query row gets the SDPA call that decoding its token makes (transformers' sdpa for one query: the
+        # keys up to its own, no mask, grouped heads as they are), on the same keys and values, so the output is
+        # bitwise the same whatever the number of rows; one masked call over all rows sums in another order (1e-6
+        # apart in float32, a rounding step of bfloat16). Costs 1-3% of a 5-8 token verification of the default
+        # target (more small calls per layer)
+        out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, i:i + 1], key[:, :, :keys - rows + i + 1], value[:, :, :keys - rows + i + 1],
+            dropout_p=dropout, scale=scaling, enable_gqa=grouped) for i in range(rows)], dim=2)
+        return out.transpose(1, 2).contiguous(), None
+    if not (grouped and plain and attention_mask is not None and rows > 1):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                            dropout_p=dropout, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def is_causal_mask(mask: torch.Tensor | None, rows: int, keys: int) -> bool:
+    """Whether `mask` is the plain causal mask of `rows` new tokens after `keys - rows` cached ones, one sequence:
+    each new token sees every cached token and the new ones up to itself, and nothing is padded."""
+    if mask is None or mask.dtype != torch.bool or tuple(mask.shape) != (1, 1, rows, keys):
+        return False
+    return torch.equal(mask[0, 0], torch.ones(rows, keys, dtype=torch.bool, device=mask.device).tril(keys - rows))
 
 
 def _is_grouped(model) -> bool:

@@ -14,7 +14,12 @@ the first one that this machine can run is used (`pack_linears`):
   dynamic batch sizes), where no compiler is at hand. A few rows cost about one row, but one row costs more than
   MKL's matrix-vector product (10-50% in our micro-benchmark).
 
-Float32 on CPU only: CUDA and half-precision models are untouched.
+Float32 and bfloat16 on CPU: CUDA and float16 models are untouched. A bfloat16 layer reads half the bytes of a
+float32 one; its products are summed in float32 (AVX-512 BF16's pairwise dot product where the CPU has it) and the
+result rounded to bfloat16 once, as torch's own bfloat16 linear does, so it matches that within bfloat16's rounding.
+oneDNN's bfloat16 GEMM (AMX on recent Xeons) is fast, but its sums change with the number of rows (the MLP's down
+projection from 6 rows on, on our CPUs), so without the kernel a bfloat16 target's verification would not give
+bitwise its one-by-one values, and greedy speculative output could part from greedy target-only output on a near tie.
 
 A float32 draft on CPU reads all its weights for every proposed token, so its cost is memory bandwidth. Int8
 dynamic quantization (`quantize_linears`: per-channel int8 weights, activations quantized per call) makes it
@@ -42,6 +47,7 @@ PACK_BATCH_HINT = 5  # typical verification width: gamma + 1
 PACK_THREADS = 2  # int8 layers packed side by side when a draft is built from its kept form
 FEW_ROWS_SOURCE = Path(__file__).resolve().parent / "csrc" / "few_rows_linear.cpp"
 FEW_ROWS_MAX = 16  # beyond 16 rows (prefill) the library's GEMM wins
+FEW_ROWS_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel computes
 
 
 def packing_supported() -> bool:
@@ -98,7 +104,7 @@ class FewRowsLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > FEW_ROWS_MAX:
+        if rows.shape[0] > FEW_ROWS_MAX or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         out = torch.ops.specdec.few_rows_linear(rows.contiguous(), self.weight, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
@@ -151,24 +157,27 @@ def _linears(model: nn.Module, kind):
 
 
 def pack_linears(model: nn.Module, few_rows: bool = True) -> int:
-    """Replace every float32 CPU nn.Linear of `model` by a FewRowsLinear (`few_rows` and the kernel builds here)
-    or else a PackedLinear, in place. Returns how many were replaced.
+    """Replace every float32 or bfloat16 CPU nn.Linear of `model` by a FewRowsLinear (`few_rows` and the kernel
+    builds here) or else, float32 only, a PackedLinear, in place. Returns how many were replaced.
 
-    Models on CUDA, in half precision, or with neither kernel available are returned unchanged (0).
+    Models on CUDA, in float16, or with neither kernel available are returned unchanged (0); so is a bfloat16
+    model without the kernel (oneDNN's bfloat16 GEMM is fast already, but its sums depend on the number of rows).
     """
-    candidates = [(parent, name, linear) for parent, name, linear in _linears(model, nn.Linear)
-                  if linear.weight.device.type == "cpu" and linear.weight.dtype == torch.float32]
-    if not candidates:
-        return 0
-    if few_rows and few_rows_kernel():
+    cpu = [(parent, name, linear) for parent, name, linear in _linears(model, nn.Linear)
+           if linear.weight.device.type == "cpu"]
+    if few_rows and any(linear.weight.dtype in FEW_ROWS_DTYPES for _, _, linear in cpu) and few_rows_kernel():
         count = 0
-        for parent, name, linear in candidates:
-            if linear.weight.is_contiguous() and (linear.bias is None or linear.bias.is_contiguous()):
+        for parent, name, linear in cpu:
+            weight, bias = linear.weight, linear.bias
+            if weight.dtype in FEW_ROWS_DTYPES and weight.is_contiguous() \
+                    and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())):
                 setattr(parent, name, FewRowsLinear(linear))
                 count += 1
         logger.debug("%d linear layers of %s use the few-rows kernel", count, type(model).__name__)
         return count
-    if not packing_supported():
+    candidates = [(parent, name, linear) for parent, name, linear in cpu if linear.weight.dtype == torch.float32]
+    del cpu
+    if not candidates or not packing_supported():
         return 0
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):

@@ -1,6 +1,8 @@
-// Float32 linear layer for a few input rows (speculative verification: gamma + 1 tokens, up to 16) on CPU.
+// Float32 or bfloat16 linear layer for a few input rows (speculative verification: gamma + 1 tokens, up to 16) on CPU.
 //
 // out[m, n] = x[m, :] . weight[n, :] + bias[n], weight in nn.Linear's own row-major layout (no copy, no repacking).
+// Bfloat16 inputs and weights are multiplied and summed in float32, the bias added in float32, and each output
+// rounded to bfloat16 once (round to nearest even).
 // Each weight row is read from memory once for all rows of x, so up to 8 rows cost little more than one: the
 // product is bound by memory bandwidth. Beyond 8 rows the arithmetic shows (12 rows about 1.6x one row, measured
 // with bench.linear), but the weight is still read from memory once. Every output is summed in the same order
@@ -10,16 +12,22 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
 constexpr int kLanes = 16;     // partial sums per output: one 512-bit register, two 256-bit ones
-constexpr int kPrefetch = 256;  // floats ahead in each weight row (1 KiB): measured best on our CPUs
+constexpr int kPrefetchBytes = 1024;  // ahead in each weight row: measured best on our CPUs
 typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline vec load(const float* p) {
@@ -56,65 +64,117 @@ inline void reduce(const vec* acc, int count, float* out) {
   }
 }
 
+
+// How one step of K is read and multiplied: Float32 takes 16 floats per step; BFloat16 32 bfloat16 values, each
+// pair of neighbours multiplied into one float32 lane (AVX-512 BF16's dot product where the CPU has it, else the
+// bfloat16 values widened to float32: a bfloat16 is the top half of a float32). Either way the sums are float32.
+struct Float32 {
+  using T = float;
+  static constexpr int kStep = kLanes;
+  using X = vec;
+  using W = vec;
+  static X load_x(const T* p) { return load(p); }
+  static W load_w(const T* p) { return load(p); }
+  static void mac(vec& acc, const W& w, const X& x) { acc += w * x; }
+  static float value(T v) { return v; }
+  static T store(float v) { return v; }
+};
+
+struct BFloat16 {
+  using T = uint16_t;
+  static constexpr int kStep = 2 * kLanes;
+  static float value(T v) {
+    const uint32_t bits = uint32_t(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  }
+  static T store(float v) { return c10::BFloat16(v).x; }  // round to nearest even, as torch converts
+#if defined(__AVX512BF16__)
+  using X = __m512bh;
+  using W = __m512bh;
+  static X load_x(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static W load_w(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static void mac(vec& acc, const W& w, const X& x) { acc = (vec)_mm512_dpbf16_ps((__m512)acc, w, x); }
+#else
+  typedef uint32_t pairs __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+  struct X { vec even, odd; };
+  using W = X;
+  static X widen(const T* p) {
+    pairs v;
+    std::memcpy(&v, p, sizeof(v));  // little-endian: the even value is each pair's low half
+    return {(vec)(v << 16), (vec)(v & 0xFFFF0000u)};
+  }
+  static X load_x(const T* p) { return widen(p); }
+  static W load_w(const T* p) { return widen(p); }
+  static void mac(vec& acc, const W& w, const X& x) { acc += w.even * x.even; acc += w.odd * x.odd; }
+#endif
+};
+
 // NB output features times M rows; x: [M, K], w: rows n0 .. n0 + NB of [N, K], out: [M, N].
-template <int M, int NB>
-void block(const float* x, const float* w, const float* bias, float* out, int64_t N, int64_t K, int64_t n0) {
+template <class P, int M, int NB>
+void block(const typename P::T* x, const typename P::T* w, const float* bias, typename P::T* out, int64_t N,
+           int64_t K, int64_t n0) {
+  using T = typename P::T;
+  constexpr int64_t ahead_elements = kPrefetchBytes / sizeof(T);
   vec acc[NB * M];
   for (int i = 0; i < NB * M; ++i) acc[i] = vec{};
-  const float* rows = w + n0 * K;
+  const T* rows = w + n0 * K;
   // Prefetching runs on past each row's end into the same row of the next block, so a block never starts on cold
   // rows (the last block re-prefetches its own rows: no address outside the weight)
-  const float* next = n0 + 2 * NB <= N ? rows + NB * K : rows;
-  const int64_t body = K - K % kLanes;
-  for (int64_t k = 0; k < body; k += kLanes) {
-    vec xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = load(x + m * K + k);
-    const float* ahead = k + kPrefetch < K ? rows + k + kPrefetch : next + (k + kPrefetch - K);
+  const T* next = n0 + 2 * NB <= N ? rows + NB * K : rows;
+  const int64_t body = K - K % P::kStep;
+  for (int64_t k = 0; k < body; k += P::kStep) {
+    typename P::X xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = P::load_x(x + m * K + k);
+    const T* ahead = k + ahead_elements < K ? rows + k + ahead_elements : next + (k + ahead_elements - K);
     for (int j = 0; j < NB; ++j) __builtin_prefetch(ahead + j * K);
     for (int j = 0; j < NB; ++j) {
-      const vec wv = load(rows + j * K + k);
-      for (int m = 0; m < M; ++m) acc[j * M + m] += wv * xv[m];
+      const typename P::W wv = P::load_w(rows + j * K + k);
+      for (int m = 0; m < M; ++m) P::mac(acc[j * M + m], wv, xv[m]);
     }
   }
   float sums[NB * M];
   reduce(acc, NB * M, sums);
   for (int j = 0; j < NB; ++j) {
-    const float* row = rows + j * K;
+    const T* row = rows + j * K;
     for (int m = 0; m < M; ++m) {
       float sum = sums[j * M + m];
-      for (int64_t k = body; k < K; ++k) sum += row[k] * x[m * K + k];
-      out[m * N + n0 + j] = bias ? sum + bias[n0 + j] : sum;
+      for (int64_t k = body; k < K; ++k) sum += P::value(row[k]) * P::value(x[m * K + k]);
+      out[m * N + n0 + j] = P::store(bias ? sum + bias[n0 + j] : sum);
     }
   }
 }
 
 // Rows m0 .. m0 + C of x against one block of weight rows: C is a compile-time row count of at most 8.
-template <int NB>
-void chunk(const float* x, const float* w, const float* bias, float* out, int64_t N, int64_t K, int64_t n0, int64_t C) {
+template <class P, int NB>
+void chunk(const typename P::T* x, const typename P::T* w, const float* bias, typename P::T* out, int64_t N,
+           int64_t K, int64_t n0, int64_t C) {
   switch (C) {
-    case 1: block<1, NB>(x, w, bias, out, N, K, n0); break;
-    case 2: block<2, NB>(x, w, bias, out, N, K, n0); break;
-    case 3: block<3, NB>(x, w, bias, out, N, K, n0); break;
-    case 4: block<4, NB>(x, w, bias, out, N, K, n0); break;
-    case 5: block<5, NB>(x, w, bias, out, N, K, n0); break;
-    case 6: block<6, NB>(x, w, bias, out, N, K, n0); break;
-    case 7: block<7, NB>(x, w, bias, out, N, K, n0); break;
-    default: block<8, NB>(x, w, bias, out, N, K, n0); break;
+    case 1: block<P, 1, NB>(x, w, bias, out, N, K, n0); break;
+    case 2: block<P, 2, NB>(x, w, bias, out, N, K, n0); break;
+    case 3: block<P, 3, NB>(x, w, bias, out, N, K, n0); break;
+    case 4: block<P, 4, NB>(x, w, bias, out, N, K, n0); break;
+    case 5: block<P, 5, NB>(x, w, bias, out, N, K, n0); break;
+    case 6: block<P, 6, NB>(x, w, bias, out, N, K, n0); break;
+    case 7: block<P, 7, NB>(x, w, bias, out, N, K, n0); break;
+    default: block<P, 8, NB>(x, w, bias, out, N, K, n0); break;
   }
 }
 
 // All M rows against NB weight rows at a time, in chunks of at most 8 rows: the first chunk streams the block's
 // weight rows from memory, the next ones find them in cache (NB rows of K floats: 24-140 KiB, within L2), so the
 // weight is read from memory once for any M. Sixteen rows cost a few times the arithmetic of one, not 2 passes.
-template <int NB>
-void rows(const float* x, const float* w, const float* bias, float* out, int64_t M, int64_t N, int64_t K) {
+template <class P, int NB>
+void rows(const typename P::T* x, const typename P::T* w, const float* bias, typename P::T* out, int64_t M,
+          int64_t N, int64_t K) {
   const int64_t blocks = N / NB;
   const int64_t chunks = (M + 7) / 8;
   const int64_t size = (M + chunks - 1) / chunks;  // equal chunks: 12 rows as 6 + 6, not 8 + 4
   auto all_chunks = [&](int64_t n0, auto nb) {
     constexpr int B = decltype(nb)::value;
     for (int64_t m0 = 0; m0 < M; m0 += size)
-      chunk<B>(x + m0 * K, w, bias, out + m0 * N, N, K, n0, std::min<int64_t>(size, M - m0));
+      chunk<P, B>(x + m0 * K, w, bias, out + m0 * N, N, K, n0, std::min<int64_t>(size, M - m0));
   };
   at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) all_chunks(b * NB, std::integral_constant<int, NB>{});
@@ -122,32 +182,43 @@ void rows(const float* x, const float* w, const float* bias, float* out, int64_t
   for (int64_t n = blocks * NB; n < N; ++n) all_chunks(n, std::integral_constant<int, 1>{});
 }
 
-at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "few_rows_linear: shapes ",
-              x.sizes(), " and ", weight.sizes(), " do not match");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.is_cpu() && weight.is_cpu(),
-              "few_rows_linear: float32 CPU tensors only");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "few_rows_linear: contiguous tensors only");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  at::Tensor out = at::empty({M, N}, x.options());
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "few_rows_linear: bias must be a contiguous float32 vector of ", N);
-    bp = bias->data_ptr<float>();
-  }
-  const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+template <class P>
+void dispatch(const typename P::T* x, const typename P::T* w, const float* bias, typename P::T* out, int64_t M,
+              int64_t N, int64_t K) {
 #if defined(__AVX512F__)
   // 32 registers; at 7-8 rows, 28-32 accumulators spill a few to L1, which still beats narrower blocks (measured:
   // 8 rows at NB 4 cost 1.15-1.2x one row, at NB 2 1.3-1.4x)
-  if (M <= 2) rows<8>(xp, wp, bp, op, M, N, K); else rows<4>(xp, wp, bp, op, M, N, K);
+  if (M <= 2) rows<P, 8>(x, w, bias, out, M, N, K); else rows<P, 4>(x, w, bias, out, M, N, K);
 #else
-  if (M <= 2) rows<4>(xp, wp, bp, op, M, N, K);
-  else if (M <= 4) rows<2>(xp, wp, bp, op, M, N, K);
-  else rows<1>(xp, wp, bp, op, M, N, K);
+  if (M <= 2) rows<P, 4>(x, w, bias, out, M, N, K);
+  else if (M <= 4) rows<P, 2>(x, w, bias, out, M, N, K);
+  else rows<P, 1>(x, w, bias, out, M, N, K);
 #endif
+}
+
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "few_rows_linear: shapes ",
+              x.sizes(), " and ", weight.sizes(), " do not match");
+  const auto type = weight.scalar_type();
+  TORCH_CHECK((type == at::kFloat || type == at::kBFloat16) && x.scalar_type() == type && x.is_cpu() &&
+              weight.is_cpu(), "few_rows_linear: float32 or bfloat16 CPU tensors of one type only");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "few_rows_linear: contiguous tensors only");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  at::Tensor bias_float;  // sums are float32, so is the bias added to them
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == type && bias->is_contiguous() && bias->numel() == N,
+                "few_rows_linear: bias must be a contiguous vector of ", N, " of the weight's type");
+    bias_float = bias->to(at::kFloat).contiguous();
+    bp = bias_float.data_ptr<float>();
+  }
+  if (type == at::kFloat) {
+    dispatch<Float32>(x.data_ptr<float>(), weight.data_ptr<float>(), bp, out.data_ptr<float>(), M, N, K);
+  } else {
+    auto raw = [](const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); };
+    dispatch<BFloat16>(raw(x), raw(weight), bp, raw(out), M, N, K);
+  }
   return out;
 }
 

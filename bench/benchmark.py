@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import json
 import os
 import platform
@@ -174,7 +175,13 @@ def run_hf(method: str, draft, target, ids: list[int], max_new_tokens: int, mode
     with torch.inference_mode():
         out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
     seconds = time.perf_counter() - start
-    return {"new_tokens": out.shape[1] - len(ids), "total_seconds": seconds}
+    return {"new_tokens": out.shape[1] - len(ids), "total_seconds": seconds,
+            "token_digest": token_digest(out[0, len(ids):].tolist())}
+
+
+def token_digest(token_ids: list[int]) -> str:
+    """A short fingerprint of a run's generated tokens: greedy runs of one prompt compare by it."""
+    return hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()[:16]
 
 
 def our_method(method: str, gamma: int) -> dict:
@@ -212,10 +219,10 @@ def run_ours(method: str, decoder: SpeculativeDecoder, ids: list[int], max_new_t
     scorer = BlockScorer()
     decoder.round_observer = scorer
     try:
-        stats = decoder.generate(ids, max_new_tokens=max_new_tokens, seed=seed, **our_method(method, gamma),
-                                 **mode).stats.as_dict()
+        result = decoder.generate(ids, max_new_tokens=max_new_tokens, seed=seed, **our_method(method, gamma), **mode)
     finally:
         decoder.round_observer = None
+    stats = dict(result.stats.as_dict(), token_digest=token_digest(result.token_ids))
     if scorer.blocks:
         stats["expected_accepted"] = dict(scorer.expected, blocks=scorer.blocks)
         # the scoring is the benchmark's, not the method's: its time leaves the run's
@@ -287,6 +294,19 @@ def per_prompt(rows: dict, by_method: dict, c: float | None) -> None:
                 efficiencies.append(rate(r) / rate(target[k]) / leviathan_bound(alpha, mean_gamma, c))
         if efficiencies:
             row["prompt_efficiency"] = statistics.median(efficiencies)
+
+
+def same_as_target(rows: dict, by_method: dict) -> None:
+    """Greedy runs only: on how many prompts each method generated exactly our target-only's tokens (greedy
+    speculative decoding must; Hugging Face's methods are shown for comparison). Runs without a digest (older
+    results) are left out."""
+    reference = {(r.get("prompt"), r.get("repeat")): r["token_digest"] for r in by_method.get("target", [])
+                 if r.get("token_digest")}
+    for method, row in rows.items():
+        pairs = [(r["token_digest"], reference[key]) for r in by_method[method]
+                 if r.get("token_digest") and (key := (r.get("prompt"), r.get("repeat"))) in reference]
+        if pairs and method != "target":
+            row["same_tokens_as_target"] = {"prompts": len(pairs), "same": sum(a == b for a, b in pairs)}
 
 
 def summarise(runs: list[dict], gamma: int) -> dict:
@@ -376,6 +396,8 @@ def summarise(runs: list[dict], gamma: int) -> dict:
             if row.get("leviathan_bound") and row.get("speedup_vs_target"):
                 row["efficiency"] = row["speedup_vs_target"] / row["leviathan_bound"]
         per_prompt(rows, by_method, c)
+        if mode == "greedy":
+            same_as_target(rows, by_method)
         sweep = {}
         for r in runs:
             if r["mode"] == mode and r["sweep_gamma"] is not None:
@@ -471,6 +493,12 @@ def markdown(report: dict) -> str:
                           "run drafted.", "", "| method | accepted per round | tokens per round |", "|---|---|---|"]
                 lines += [f"| {m} | {pct(row['block_gain_accepted'])} | {pct(row['block_gain_tokens_per_round'])} |"
                           for m, row in scored.items()]
+            agreeing = {m: row["same_tokens_as_target"] for m, row in rows.items() if row.get("same_tokens_as_target")}
+            if agreeing:
+                lines += ["", "Greedy outputs: prompts on which each method generated exactly the tokens of our "
+                          "target-only decoding (what greedy speculative decoding promises).", "",
+                          "| method | same tokens as target-only |", "|---|---|"]
+                lines += [f"| {m} | {a['same']}/{a['prompts']} |" for m, a in agreeing.items()]
             steady = {m: row for m, row in rows.items() if row.get("decode_tokens_per_second")}
             if steady:
                 lines += ["", "Steady state: the first round (prompt prefill and first proposals, or the first token) "

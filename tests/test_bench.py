@@ -96,6 +96,13 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
         grounded_rows = report["summary"]["grounded"]["greedy"]["methods"]
         assert grounded_rows["lookup-token"]["round_share_by_drafter"].get("lookup", 0) > 0
     assert "decode efficiency" in table and "Per prompt" in table and "Block verification on the same" in table
+    # greedy speculative output is target-only's, prompt by prompt, whatever the drafter and rule
+    for set_name in ("default", "grounded"):
+        rows = report["summary"][set_name]["greedy"]["methods"]
+        for method in bench.SPECULATIVE:
+            assert rows[method]["same_tokens_as_target"] == {"prompts": 3, "same": 3}, (set_name, method)
+        assert "same_tokens_as_target" not in report["summary"][set_name]["sampling"]["methods"]["google"]
+    assert "| model-token | 3/3 |" in table
     assert set(report["summary"]["default"]["greedy"]["gamma_sweep"]) == {"1", "3"}  # JSON object keys
     assert report["draft_quantization"] == "int8" and "quantization int8" in table
     # prompt-major order: every method, HF's included, runs on a prompt before the next one (drift hits all
@@ -273,3 +280,20 @@ def test_interference_script_smoke_on_tiny_pair(tiny_pair_dirs, tmp_path):
     assert set(report["ms"]) == {"draft_back_to_back", "draft_after_target", "draft_after_pause",
                                  "target_1_token", "target_5_tokens"}
     assert all(ms > 0 for ms in report["ms"].values()) and "draft_after_target" in done.stdout
+
+
+def test_summary_counts_greedy_runs_with_target_only_tokens():
+    def run(method, prompt, digest, mode="greedy"):
+        return {"mode": mode, "method": method, "sweep_gamma": None, "prompt": prompt, "repeat": 0,
+                "new_tokens": 4, "total_seconds": 1.0, "token_digest": digest}
+
+    runs = [run("target", "a", "x"), run("target", "b", "y"), run("google", "a", "x"), run("google", "b", "z"),
+            run("hf_assisted", "a", "x"), run("hf_assisted", "b", "y"), run("old", "a", None),
+            run("target", "a", "x", "sampling"), run("google", "a", "w", "sampling")]
+    summary = bench.summarise(runs, gamma=4)
+    rows = summary["greedy"]["methods"]
+    assert rows["google"]["same_tokens_as_target"] == {"prompts": 2, "same": 1}
+    assert rows["hf_assisted"]["same_tokens_as_target"] == {"prompts": 2, "same": 2}
+    assert "same_tokens_as_target" not in rows["target"] and "same_tokens_as_target" not in rows["old"]
+    assert "same_tokens_as_target" not in summary["sampling"]["methods"]["google"]  # sampled tokens may differ
+    assert bench.token_digest([1, 2]) != bench.token_digest([1, 2, 3]) == bench.token_digest([1, 2, 3])

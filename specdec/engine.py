@@ -372,7 +372,7 @@ class SpeculativeDecoder:
             k = len(proposal)
 
             # 2. the target scores all k + 1 positions in one forward: p_1 .. p_{k+1}
-            p = probs(req.forward("target", target, req.ids[target.length:] + proposal.tokens, keep=k + 1))
+            p = probs(self._score(req, target, proposal.tokens))
 
             # 3. keep a prefix of the proposals, then draw the next token (resampled, or the bonus after all k)
             accepted, next_probs = self._verify(req, proposal, p, lambda i: generator)
@@ -417,12 +417,12 @@ class SpeculativeDecoder:
             proposal = drafter.propose(req.ids, adaptive.choose() + 1, budget, generator_at)
             k = len(proposal)
             if k:
-                p = probs(req.forward("target", target, req.ids[target.length:] + proposal.tokens[:-1], keep=k))
+                p = probs(self._score(req, target, proposal.tokens[:-1]))
                 # no bonus row (all k accepted ends the round): a zero row stands in for it, never drawn from
                 accepted, next_probs = self._verify(req, proposal, torch.cat((p, p.new_zeros(1, p.size(-1)))),
                                                     generator_at)
             else:  # nothing proposed: the target draws this position's token alone
-                p = probs(req.forward("target", target, req.ids[target.length:], keep=1))
+                p = probs(self._score(req, target, []))
                 accepted, next_probs = 0, p[0]
             tokens = proposal.tokens[:accepted]
             if accepted < k or not k:
@@ -433,6 +433,23 @@ class SpeculativeDecoder:
                 adaptive.update(k - 1, min(accepted, k - 1))
             if (yield self._end_round(req, drafter, target, chunk, proposal, accepted, max(k, 1), before)) == "stop":
                 req.finish_reason = "stop"
+
+    @staticmethod
+    def _score(req: _Request, target: CachedModel, extra: list[int]) -> torch.Tensor:
+        """The target's logits for the position after the committed sequence and after each of `extra`
+        (len(extra) + 1 rows), in one forward over the uncached tokens.
+
+        Except the first time: then the prompt goes alone, the forward target-only decoding starts with, and
+        `extra` after it with the cache. Every target row is then computed as target-only decoding computes it
+        (a prefill over the prompt, then forwards after cached tokens, which our CPU kernels make bitwise the
+        same as one token at a time), so greedy output is target-only's token for token, near ties included.
+        Folded into the prefill, the first proposals would go through the prefill's matrix products instead
+        (a rounding step of bfloat16 away). It costs one forward more per request.
+        """
+        if target.length or not extra:
+            return req.forward("target", target, req.ids[target.length:] + extra, keep=len(extra) + 1)
+        first = req.forward("target", target, req.ids, keep=1)
+        return torch.cat((first, req.forward("target", target, extra, keep=len(extra))))
 
     @staticmethod
     def _sources(proposal: Proposal, accepted: int, k: int) -> list[str]:

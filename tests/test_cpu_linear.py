@@ -245,3 +245,52 @@ def test_packing_lets_each_float_weight_go_before_the_next_layer_is_packed(monke
     # each layer's float weight is gone before the next layer is packed
     assert alive_at_each_pack == list(range(len(weights), 0, -1))
     assert all(ref() is None for ref in weights)
+
+
+def _target_rows(model):
+    """Every target forward's kept logits, each row keyed by the length of the sequence it was computed on (the
+    cached tokens and the forward's tokens up to that row), with the forward's tokens; and the hooks' handles."""
+    rows, pending = [], []
+
+    def before(module, args, kwargs):
+        pending.append((kwargs["cache"].get_seq_length(), kwargs["input_ids"][0].tolist()))
+
+    def after(module, args, kwargs, out):
+        cached, tokens = pending.pop()
+        logits = out.logits[0]
+        first = cached + len(tokens) - logits.shape[0]  # logits_to_keep: the last rows only
+        rows.extend((first + i + 1, tokens[: first - cached + i + 1], cached, logits[i].clone())
+                    for i in range(logits.shape[0]))
+
+    return rows, [model.register_forward_pre_hook(before, with_kwargs=True),
+                  model.register_forward_hook(after, with_kwargs=True)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("drafter", ["model", "hybrid"])
+def test_every_target_row_on_the_output_is_target_only_bitwise(dtype, drafter):
+    """Greedy equality by construction: each target logit row that speculative decoding computed on a prefix of
+    its output equals, bitwise, the row target-only decoding computed on that prefix. The prompt is longer than
+    the kernel's 16 rows, so a prefill folded together with the first proposals would fail this."""
+    draft, target = _pair_with_kernels("qwen2", dtype)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] * 2  # 24 tokens, repeating for the lookup
+    rows, hooks = _target_rows(target)
+    decoder = SpeculativeDecoder(draft, target)
+    try:
+        reference = decoder.generate(prompt, max_new_tokens=30, method="target", temperature=0).token_ids
+        by_length = {length: logits for length, *_, logits in rows}
+        rows.clear()
+        out = decoder.generate(prompt, max_new_tokens=30, method="google", temperature=0, gamma=4, drafter=drafter)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert out.token_ids == reference
+    sequence = prompt + reference
+    compared = 0
+    for length, tokens, cached, logits in rows:
+        if length in by_length and sequence[cached:length] == tokens:
+            assert torch.equal(logits, by_length[length]), length
+            compared += 1
+    assert compared >= len(reference)  # the row of every position, once at least
+    assert out.stats.target_forwards < len(reference)  # and several per forward

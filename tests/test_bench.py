@@ -9,6 +9,7 @@ import pytest
 
 from bench import benchmark as bench
 from specdec.adaptive import expected_speedup, fit_alpha
+from specdec.cpu.linear import packing_supported
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -127,13 +128,15 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
         report["summary"]["grounded"]["greedy"]["methods"]["hybrid-token"]
 
 
-def test_linear_micro_benchmark_runs_on_small_shapes():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_linear_micro_benchmark_runs_on_small_shapes(dtype):
     done = subprocess.run([sys.executable, "-m", "bench.linear", "--rows", "1,5", "--repeats", "1",
-                           "--shapes", "64x48,40x80", "--stack-mb", "0.1"], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT)
+                           "--shapes", "64x48,40x80", "--stack-mb", "0.1", "--dtype", dtype], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("| 64 x 48") or line.startswith("| 40 x 80")]
-    assert len(lines) == 4 and "F.linear" in done.stdout
+    assert len(lines) == 4 and "F.linear" in done.stdout and dtype in done.stdout
+    assert ("oneDNN packed" in done.stdout) == (dtype == "float32" and packing_supported())
     header = next(line for line in done.stdout.splitlines() if line.startswith("| weight"))
     kernels = header.strip("| ").split(" | ")[3:]
     assert kernels[0] == "F.linear"
@@ -297,3 +300,16 @@ def test_summary_counts_greedy_runs_with_target_only_tokens():
     assert "same_tokens_as_target" not in rows["target"] and "same_tokens_as_target" not in rows["old"]
     assert "same_tokens_as_target" not in summary["sampling"]["methods"]["google"]  # sampled tokens may differ
     assert bench.token_digest([1, 2]) != bench.token_digest([1, 2, 3]) == bench.token_digest([1, 2, 3])
+
+
+def test_attention_benchmark_compares_both_ways_on_tiny_pair(tiny_pair_dirs, capsys):
+    from bench import attention as bench_attention
+    from specdec.cpu import attention
+
+    recognise = attention.is_causal_mask
+    draft, target = tiny_pair_dirs
+    assert bench_attention.main(["--draft", draft, "--target", target, "--context", "20", "--widths", "1,3",
+                                 "--repeats", "1"]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
+    assert len(table) == 2 and all(float(line.split("|")[4]) > 0 for line in table)
+    assert attention.is_causal_mask is recognise  # the comparison's switch is undone

@@ -41,7 +41,15 @@ from transformers import DynamicCache
 from specdec.adaptive import expected_speedup, fit_alpha
 from specdec.engine import LookupSettings, SpeculativeDecoder
 from specdec.kv_cache import input_device
-from specdec.loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels, use_stock_kernels
+from specdec.loading import (
+    DRAFT_QUANTIZATIONS,
+    load_pair,
+    prepare_draft,
+    resolve_device,
+    resolve_dtype,
+    use_cpu_kernels,
+    use_stock_kernels,
+)
 from specdec.params import DRAFTERS, VERIFICATIONS
 from specdec.text import encode_prompt
 from specdec.verification import EXPECTED_ACCEPTED
@@ -428,7 +436,8 @@ def markdown(report: dict) -> str:
         lines += ["Runs from: " + "; ".join(report["runs_from"]), ""]
     lines += ["Machine: " + ", ".join(f"{k} {v}" for k, v in report["machine"].items() if v is not None), "",
              f"Models: draft `{report['draft']}` (ours: quantization {report.get('draft_quantization', 'none')}), "
-             f"target `{report['target']}`; prompts per set: "
+             f"target `{report['target']}`" + (f", {report['dtype']}" if report.get("dtype") else "")
+             + "; prompts per set: "
              + ", ".join(f"{name} {n}" for name, n in sizes.items())
              + f"; max_new_tokens {report['max_new_tokens']}, repeats {report['repeats']}, gamma {report['gamma']}"
              + ("; lookup " + ", ".join(f"{k} {v}" for k, v in report["lookup"].items()) if report.get("lookup") else "")
@@ -702,6 +711,8 @@ def main(argv=None) -> int:
         lookup = earlier[0].get("lookup")
         cost = earlier[0].get("verification_cost", {})
         startup = earlier[0].get("startup")
+        dtype_name = earlier[0].get("dtype")
+        quantization = earlier[0].get("draft_quantization", args.draft_quantization)
         sizes: dict[str, int] = {}
         for run in runs:
             run.setdefault("set", "default")
@@ -710,11 +721,16 @@ def main(argv=None) -> int:
         startup = startup_profile(args) if args.startup else None  # first, while nothing else is resident
         runs, cost, sizes = measure(args, methods, modes, prompt_sets(args.prompt_sets))
         runs_from, lookup = None, dataclasses.asdict(args.lookup)  # the decoder's, as measure() makes it
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        dtype_name = str(dtype).removeprefix("torch.")
+        # int8 applies to a float32 CPU draft only (load_pair's rule): say what our draft was, not what was asked
+        quantization = args.draft_quantization if device.type == "cpu" and dtype == torch.float32 else "none"
 
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m bench.benchmark"] + (argv if argv is not None else sys.argv[1:])),
               "machine": machine_info(), "draft": args.draft or "default", "target": args.target or "default",
-              "draft_quantization": args.draft_quantization, "prompts": sizes,
+              "dtype": dtype_name, "draft_quantization": quantization, "prompts": sizes,
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "gamma": args.gamma,
               "runs_from": runs_from, "lookup": lookup, "startup": startup, "verification_cost": cost,
               "summary": {name: summarise([r for r in runs if r["set"] == name], args.gamma) for name in sizes},

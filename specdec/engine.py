@@ -359,8 +359,8 @@ class SpeculativeDecoder:
     def _speculate(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:
         """Google (Leviathan et al. Alg. 1) or DeepMind (Chen et al. Alg. 2) speculative sampling, fixed gamma:
         the drafter proposes up to gamma tokens (the lookup up to its own maximum), the target scores them and
-        the bonus position in one forward, the verification rule keeps a prefix and gives the next token's
-        distribution."""
+        the bonus position in one forward (the first time, after the prompt's own prefill: `_score`), the
+        verification rule keeps a prefix and gives the next token's distribution."""
         drafter, target = self._drafter(req, probs), CachedModel(self.target_model)
         generator = req.generator
         while req.finish_reason is None:

@@ -41,15 +41,7 @@ from transformers import DynamicCache
 from specdec.adaptive import expected_speedup, fit_alpha
 from specdec.engine import LookupSettings, SpeculativeDecoder
 from specdec.kv_cache import input_device
-from specdec.loading import (
-    DRAFT_QUANTIZATIONS,
-    load_pair,
-    prepare_draft,
-    resolve_device,
-    resolve_dtype,
-    use_cpu_kernels,
-    use_stock_kernels,
-)
+from specdec.loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels, use_stock_kernels
 from specdec.params import DRAFTERS, VERIFICATIONS
 from specdec.text import encode_prompt
 from specdec.verification import EXPECTED_ACCEPTED
@@ -655,8 +647,18 @@ def lookup_settings(text: str) -> LookupSettings:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def measure(args, methods: list[str], modes: list[str], sets: dict[str, Path]) -> tuple[list[dict], dict, dict]:
-    """Run the plan; (runs, the verification cost by width, {set: number of prompts})."""
+def measured_models(target, our_draft) -> dict:
+    """What the run measured, read off the models: the target's dtype, and whether our draft is int8 (load_pair
+    quantizes a float32 CPU draft only; "none" too when no method of ours ran, `our_draft` None)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    int8 = our_draft is not None and any(isinstance(m, DynamicQuantizedLinear) for m in our_draft.modules())
+    return {"dtype": str(target.dtype).removeprefix("torch."), "draft_quantization": "int8" if int8 else "none"}
+
+
+def measure(args, methods: list[str], modes: list[str],
+            sets: dict[str, Path]) -> tuple[list[dict], dict, dict, dict]:
+    """Run the plan; (runs, the verification cost by width, {set: number of prompts}, `measured_models`)."""
     sweep_gammas = [int(g) for g in args.sweep_gammas.split(",") if g]
     prompts = {name: load_prompts(path, args.limit) for name, path in sets.items()}
     draft, target, tokenizer = load_pair(args.draft, args.target, device=args.device, dtype=args.dtype,
@@ -694,7 +696,8 @@ def measure(args, methods: list[str], modes: list[str], sets: dict[str, Path]) -
             stats = run_ours(method, decoder, ids, args.max_new_tokens, MODES[mode], seed, sweep_gamma or args.gamma)
         runs.append({"set": name, "mode": mode, "method": method, "prompt": prompts[name][i]["id"], "repeat": rep,
                      "sweep_gamma": sweep_gamma, **{k: v for k, v in stats.items() if k != "method"}})
-    return runs, cost, {name: len(items) for name, items in prompts.items()}
+    return runs, cost, {name: len(items) for name, items in prompts.items()}, \
+        measured_models(target, decoder.draft_model if decoder else None)
 
 
 def main(argv=None) -> int:
@@ -711,26 +714,21 @@ def main(argv=None) -> int:
         lookup = earlier[0].get("lookup")
         cost = earlier[0].get("verification_cost", {})
         startup = earlier[0].get("startup")
-        dtype_name = earlier[0].get("dtype")
-        quantization = earlier[0].get("draft_quantization", args.draft_quantization)
+        models = {"dtype": earlier[0].get("dtype"),
+                  "draft_quantization": earlier[0].get("draft_quantization", args.draft_quantization)}
         sizes: dict[str, int] = {}
         for run in runs:
             run.setdefault("set", "default")
             sizes.setdefault(run["set"], len({r["prompt"] for r in runs if r.get("set", "default") == run["set"]}))
     else:
         startup = startup_profile(args) if args.startup else None  # first, while nothing else is resident
-        runs, cost, sizes = measure(args, methods, modes, prompt_sets(args.prompt_sets))
+        runs, cost, sizes, models = measure(args, methods, modes, prompt_sets(args.prompt_sets))
         runs_from, lookup = None, dataclasses.asdict(args.lookup)  # the decoder's, as measure() makes it
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device)
-        dtype_name = str(dtype).removeprefix("torch.")
-        # int8 applies to a float32 CPU draft only (load_pair's rule): say what our draft was, not what was asked
-        quantization = args.draft_quantization if device.type == "cpu" and dtype == torch.float32 else "none"
 
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m bench.benchmark"] + (argv if argv is not None else sys.argv[1:])),
               "machine": machine_info(), "draft": args.draft or "default", "target": args.target or "default",
-              "dtype": dtype_name, "draft_quantization": quantization, "prompts": sizes,
+              **models, "prompts": sizes,
               "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "gamma": args.gamma,
               "runs_from": runs_from, "lookup": lookup, "startup": startup, "verification_cost": cost,
               "summary": {name: summarise([r for r in runs if r["set"] == name], args.gamma) for name in sizes},

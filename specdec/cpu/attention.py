@@ -8,8 +8,9 @@ results. And one masked call over all new tokens sums in another order than deco
 with the plain causal mask (one sequence, no padding) each new token gets the unmasked one-query call that
 decoding it makes: with the few-rows linears (specdec.cpu.linear), a verification forward gives bitwise the logits
 of target-only decoding, float32 or bfloat16, and greedy speculative output equals greedy target-only output by
-construction, not only away from near ties. Padded masks keep the single grouped call. The function is registered through transformers' AttentionInterface under its own name and selected
-per model (`set_attn_implementation`), so other models in the process keep the library's behaviour.
+construction, not only away from near ties. Padded masks keep the single grouped call. The function is
+registered through transformers' AttentionInterface under its own name and selected per model
+(`set_attn_implementation`), so other models in the process keep the library's behaviour.
 """
 
 import logging
@@ -37,8 +38,8 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         # Each query row gets the SDPA call that decoding its token makes (transformers' sdpa for one query: the
         # keys up to its own, no mask, grouped heads as they are), on the same keys and values, so the output is
         # bitwise the same whatever the number of rows; one masked call over all rows sums in another order (1e-6
-        # apart in float32, a rounding step of bfloat16). Costs 1-3% of a 5-8 token verification of the default
-        # target (more small calls per layer)
+        # apart in float32, a rounding step of bfloat16). More small calls per layer: 1-7% of a 5-7 token
+        # verification of the default target in `python -m bench.attention` runs, whose noise is as large
         out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
             query[:, :, i:i + 1], key[:, :, :keys - rows + i + 1], value[:, :, :keys - rows + i + 1],
             dropout_p=dropout, scale=scaling, enable_gqa=grouped) for i in range(rows)], dim=2)

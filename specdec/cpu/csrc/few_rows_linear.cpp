@@ -64,18 +64,16 @@ inline void reduce(const vec* acc, int count, float* out) {
   }
 }
 
-
-// How one step of K is read and multiplied: Float32 takes 16 floats per step; BFloat16 32 bfloat16 values, each
-// pair of neighbours multiplied into one float32 lane (AVX-512 BF16's dot product where the CPU has it, else the
-// bfloat16 values widened to float32: a bfloat16 is the top half of a float32). Either way the sums are float32.
+// How one step of K is read (`V`, the same for inputs and weights) and multiplied: Float32 takes 16 floats per
+// step; BFloat16 32 bfloat16 values, each pair of neighbours multiplied into one float32 lane (AVX-512 BF16's dot
+// product where the CPU has it, else the bfloat16 values widened to float32: a bfloat16 is the top half of a
+// float32). Either way the sums are float32.
 struct Float32 {
   using T = float;
   static constexpr int kStep = kLanes;
-  using X = vec;
-  using W = vec;
-  static X load_x(const T* p) { return load(p); }
-  static W load_w(const T* p) { return load(p); }
-  static void mac(vec& acc, const W& w, const X& x) { acc += w * x; }
+  using V = vec;
+  static V read(const T* p) { return load(p); }
+  static void mac(vec& acc, const V& w, const V& x) { acc += w * x; }
   static float value(T v) { return v; }
   static T store(float v) { return v; }
 };
@@ -91,23 +89,18 @@ struct BFloat16 {
   }
   static T store(float v) { return c10::BFloat16(v).x; }  // round to nearest even, as torch converts
 #if defined(__AVX512BF16__)
-  using X = __m512bh;
-  using W = __m512bh;
-  static X load_x(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static W load_w(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
-  static void mac(vec& acc, const W& w, const X& x) { acc = (vec)_mm512_dpbf16_ps((__m512)acc, w, x); }
+  using V = __m512bh;
+  static V read(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static void mac(vec& acc, const V& w, const V& x) { acc = (vec)_mm512_dpbf16_ps((__m512)acc, w, x); }
 #else
   typedef uint32_t pairs __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-  struct X { vec even, odd; };
-  using W = X;
-  static X widen(const T* p) {
+  struct V { vec even, odd; };
+  static V read(const T* p) {
     pairs v;
     std::memcpy(&v, p, sizeof(v));  // little-endian: the even value is each pair's low half
     return {(vec)(v << 16), (vec)(v & 0xFFFF0000u)};
   }
-  static X load_x(const T* p) { return widen(p); }
-  static W load_w(const T* p) { return widen(p); }
-  static void mac(vec& acc, const W& w, const X& x) { acc += w.even * x.even; acc += w.odd * x.odd; }
+  static void mac(vec& acc, const V& w, const V& x) { acc += w.even * x.even; acc += w.odd * x.odd; }
 #endif
 };
 
@@ -125,12 +118,12 @@ void block(const typename P::T* x, const typename P::T* w, const float* bias, ty
   const T* next = n0 + 2 * NB <= N ? rows + NB * K : rows;
   const int64_t body = K - K % P::kStep;
   for (int64_t k = 0; k < body; k += P::kStep) {
-    typename P::X xv[M];
-    for (int m = 0; m < M; ++m) xv[m] = P::load_x(x + m * K + k);
+    typename P::V xv[M];
+    for (int m = 0; m < M; ++m) xv[m] = P::read(x + m * K + k);
     const T* ahead = k + ahead_elements < K ? rows + k + ahead_elements : next + (k + ahead_elements - K);
     for (int j = 0; j < NB; ++j) __builtin_prefetch(ahead + j * K);
     for (int j = 0; j < NB; ++j) {
-      const typename P::W wv = P::load_w(rows + j * K + k);
+      const typename P::V wv = P::read(rows + j * K + k);
       for (int m = 0; m < M; ++m) P::mac(acc[j * M + m], wv, xv[m]);
     }
   }

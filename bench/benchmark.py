@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -309,6 +310,29 @@ def same_as_target(rows: dict, by_method: dict) -> None:
             row["same_tokens_as_target"] = {"prompts": len(pairs), "same": sum(a == b for a, b in pairs)}
 
 
+def block_gains(scored: list[dict]) -> tuple[float | None, float]:
+    """Block over token verification on the same drafted blocks, pooled over runs (each run's
+    `expected_accepted`: summed expected accepted tokens under each rule, and its number of blocks): the gain in
+    accepted tokens per round (None where token verification expects none), and in tokens per round (accepted
+    + 1)."""
+    token, block = sum(e["token"] for e in scored), sum(e["block"] for e in scored)
+    blocks = sum(e["blocks"] for e in scored)
+    return (block / token - 1 if token > 0 else None), (blocks + block) / (blocks + token) - 1
+
+
+def block_gain_interval(by_prompt: list[list[dict]], level: float = 0.9, draws: int = 2000,
+                        seed: int = 0) -> list[float]:
+    """A bootstrap interval over prompts for the gain in tokens per round (block_gains' second figure): the
+    prompts (each with all its runs' scored blocks) resampled with replacement `draws` times. The gain of one
+    drawn block varies a lot, and blocks of one prompt are alike, so prompts are the unit; the interval shows
+    how far one run's figure can be from another's on other prompts or seeds."""
+    rng = random.Random(seed)
+    gains = sorted(block_gains([e for prompt in rng.choices(by_prompt, k=len(by_prompt)) for e in prompt])[1]
+                   for _ in range(draws))
+    tail = (1 - level) / 2
+    return [gains[int(tail * (draws - 1))], gains[int((1 - tail) * (draws - 1))]]
+
+
 def summarise(runs: list[dict], gamma: int) -> dict:
     """Per mode and method: median tokens/s, speedups, acceptance, tokens per target forward, c, bound."""
     summary = {}
@@ -351,11 +375,12 @@ def summarise(runs: list[dict], gamma: int) -> dict:
                 row["round_share_by_drafter"] = {d: n / rounds for d, n in row["rounds_by_drafter"].items()}
                 scored = [r["expected_accepted"] for r in rs if r.get("expected_accepted")]
                 if scored and sum(e["token"] for e in scored) > 0:
-                    token, block = sum(e["token"] for e in scored), sum(e["block"] for e in scored)
-                    blocks = sum(e["blocks"] for e in scored)
-                    # on the same drafted blocks: accepted tokens per round, and tokens per round (one more each)
-                    row["block_gain_accepted"] = block / token - 1
-                    row["block_gain_tokens_per_round"] = (blocks + block) / (blocks + token) - 1
+                    row["block_gain_accepted"], row["block_gain_tokens_per_round"] = block_gains(scored)
+                    by_prompt: dict = {}
+                    for r in rs:
+                        if r.get("expected_accepted"):
+                            by_prompt.setdefault(r.get("prompt"), []).append(r["expected_accepted"])
+                    row["block_gain_tokens_per_round_interval"] = block_gain_interval(list(by_prompt.values()))
             for role in ("draft", "target"):
                 ms = per_forward_ms(rs, role)
                 if ms is not None:
@@ -416,6 +441,9 @@ def markdown(report: dict) -> str:
 
     def pct(value):
         return "-" if value is None else f"{100 * value:+.1f}%"
+
+    def interval(bounds):
+        return "-" if not bounds else f"{pct(bounds[0])} to {pct(bounds[1])}"
 
     def shares(row):
         share = row.get("round_share_by_drafter") or {}
@@ -491,9 +519,11 @@ def markdown(report: dict) -> str:
             if scored:
                 lines += ["", "Block verification on the same proposals: expected accepted tokens per round, and "
                           "tokens per round (accepted + 1), under block over token verification, on the blocks each "
-                          "run drafted.", "", "| method | accepted per round | tokens per round |", "|---|---|---|"]
-                lines += [f"| {m} | {pct(row['block_gain_accepted'])} | {pct(row['block_gain_tokens_per_round'])} |"
-                          for m, row in scored.items()]
+                          "run drafted; the 90% interval resamples the prompts (bootstrap).", "",
+                          "| method | accepted per round | tokens per round | 90% interval over prompts |",
+                          "|---|---|---|---|"]
+                lines += [f"| {m} | {pct(row['block_gain_accepted'])} | {pct(row['block_gain_tokens_per_round'])} "
+                          f"| {interval(row.get('block_gain_tokens_per_round_interval'))} |" for m, row in scored.items()]
             agreeing = {m: row["same_tokens_as_target"] for m, row in rows.items() if row.get("same_tokens_as_target")}
             if agreeing:
                 lines += ["", "Greedy outputs: prompts on which each method generated exactly the tokens of our "

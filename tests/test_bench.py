@@ -219,6 +219,24 @@ def test_summary_per_prompt_ratios_pair_each_prompt_with_its_own_baselines():
     assert "prompt_efficiency" not in bench.summarise(runs, gamma=4)["greedy"]["methods"]["target"]
 
 
+def test_block_gain_interval_resamples_prompts_as_units():
+    def scored(token, block, blocks=10):
+        return {"token": token, "block": block, "blocks": blocks}
+
+    # tokens per round: (10 + 22) / (10 + 20) on one prompt, 30 / 30 on the other
+    assert bench.block_gains([scored(20.0, 22.0), scored(20.0, 20.0)]) == pytest.approx((0.05, 2 / 60))
+    same = [[scored(20.0, 22.0)], [scored(10.0, 11.0, 5), scored(10.0, 11.0, 5)]]  # +1/15 on each prompt
+    assert bench.block_gain_interval(same) == pytest.approx([1 / 15, 1 / 15])
+    # one prompt gains, one loses: the interval spans both prompts' own gains, and the pooled figure lies inside
+    mixed = [[scored(20.0, 24.0)], [scored(20.0, 18.0)]] * 4
+    low, high = bench.block_gain_interval(mixed)
+    pooled = bench.block_gains([e for prompt in mixed for e in prompt])[1]
+    assert -2 / 30 <= low < pooled < high <= 4 / 30
+    # the runs of one prompt stay together: two runs that cancel on every prompt give no spread at all
+    paired = [[scored(20.0, 24.0), scored(20.0, 16.0)]] * 8
+    assert bench.block_gain_interval(paired) == pytest.approx([0.0, 0.0])
+
+
 def test_summary_steady_state_leaves_out_the_first_round():
     runs = [{"mode": "greedy", "method": "target", "sweep_gamma": None, "new_tokens": 11, "total_seconds": 2.0,
              "first_chunk_seconds": 1.0, "first_chunk_tokens": 1, "decode_tokens_per_second": 10.0},

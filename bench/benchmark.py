@@ -560,6 +560,13 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def plottable(report: dict) -> bool:
+    """Whether the plot has anything to show: some method's speedup over our target-only, which a run without
+    target-only (a block-gain run of model-token alone, say) does not have."""
+    return any(row.get("speedup_vs_target") for modes in report["summary"].values() for block in modes.values()
+               for row in block["methods"].values())
+
+
 def plot(report: dict, path: Path) -> None:
     """One panel per prompt set: each method's median speedup over our target-only (bars, one per mode), every
     prompt's own (dots), and the Leviathan bound of model drafting (dashed, per mode)."""
@@ -767,9 +774,14 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     (out / "results.md").write_text(markdown(report), encoding="utf-8")
-    plot(report, out / "results.png")
+    written = [out / "results.json", out / "results.md"]
+    (out / "results.png").unlink(missing_ok=True)  # an earlier run's plot would pass for this one's
+    if plottable(report):
+        plot(report, out / "results.png")
+        written.append(out / "results.png")
     print(markdown(report))
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'}, {out / 'results.png'}")
+    print("wrote " + ", ".join(map(str, written))
+          + ("" if plottable(report) else " (no plot: without our target-only there is no speedup to draw)"))
     return 0
 
 

@@ -131,6 +131,13 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     rebuilt = json.loads((again / "results.json").read_text())
     assert rebuilt["summary"]["grounded"]["greedy"]["methods"]["hybrid-token"] == \
         report["summary"]["grounded"]["greedy"]["methods"]["hybrid-token"]
+    # without our target-only there is no speedup to plot: no empty panels, and no earlier plot left in place
+    alone = dict(report, runs=[r for r in report["runs"] if r["method"] == "model-token"])
+    (tmp_path / "alone.json").write_text(json.dumps(alone))
+    (again / "results.png").write_bytes(b"stale")
+    assert bench.main(["--from-runs", str(tmp_path / "alone.json"), "--out", str(again)]) == 0
+    assert not (again / "results.png").exists()
+    assert "Block verification on the same" in (again / "results.md").read_text()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

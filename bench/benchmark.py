@@ -373,13 +373,13 @@ def summarise(runs: list[dict], gamma: int) -> dict:
                             totals[drafter] = totals.get(drafter, 0) + n
                     row[name] = totals
                 row["round_share_by_drafter"] = {d: n / rounds for d, n in row["rounds_by_drafter"].items()}
-                scored = [r["expected_accepted"] for r in rs if r.get("expected_accepted")]
+                by_prompt: dict = {}  # each prompt's runs' scored blocks
+                for r in rs:
+                    if r.get("expected_accepted"):
+                        by_prompt.setdefault(r.get("prompt"), []).append(r["expected_accepted"])
+                scored = [e for prompt in by_prompt.values() for e in prompt]
                 if scored and sum(e["token"] for e in scored) > 0:
                     row["block_gain_accepted"], row["block_gain_tokens_per_round"] = block_gains(scored)
-                    by_prompt: dict = {}
-                    for r in rs:
-                        if r.get("expected_accepted"):
-                            by_prompt.setdefault(r.get("prompt"), []).append(r["expected_accepted"])
                     row["block_gain_tokens_per_round_interval"] = block_gain_interval(list(by_prompt.values()))
             for role in ("draft", "target"):
                 ms = per_forward_ms(rs, role)
@@ -753,6 +753,8 @@ def main(argv=None) -> int:
         startup = earlier[0].get("startup")
         models = {"dtype": earlier[0].get("dtype"),
                   "draft_quantization": earlier[0].get("draft_quantization", args.draft_quantization)}
+        # what the runs were measured with, not this command's defaults
+        settings = {name: earlier[0].get(name, getattr(args, name)) for name in ("max_new_tokens", "repeats", "gamma")}
         sizes: dict[str, int] = {}
         for run in runs:
             run.setdefault("set", "default")
@@ -761,14 +763,14 @@ def main(argv=None) -> int:
         startup = startup_profile(args) if args.startup else None  # first, while nothing else is resident
         runs, cost, sizes, models = measure(args, methods, modes, prompt_sets(args.prompt_sets))
         runs_from, lookup = None, dataclasses.asdict(args.lookup)  # the decoder's, as measure() makes it
+        settings = {"max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "gamma": args.gamma}
 
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m bench.benchmark"] + (argv if argv is not None else sys.argv[1:])),
               "machine": machine_info(), "draft": args.draft or "default", "target": args.target or "default",
               **models, "prompts": sizes,
-              "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "gamma": args.gamma,
-              "runs_from": runs_from, "lookup": lookup, "startup": startup, "verification_cost": cost,
-              "summary": {name: summarise([r for r in runs if r["set"] == name], args.gamma) for name in sizes},
+              **settings, "runs_from": runs_from, "lookup": lookup, "startup": startup, "verification_cost": cost,
+              "summary": {name: summarise([r for r in runs if r["set"] == name], settings["gamma"]) for name in sizes},
               "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -776,12 +778,13 @@ def main(argv=None) -> int:
     (out / "results.md").write_text(markdown(report), encoding="utf-8")
     written = [out / "results.json", out / "results.md"]
     (out / "results.png").unlink(missing_ok=True)  # an earlier run's plot would pass for this one's
-    if plottable(report):
+    drawn = plottable(report)
+    if drawn:
         plot(report, out / "results.png")
         written.append(out / "results.png")
     print(markdown(report))
     print("wrote " + ", ".join(map(str, written))
-          + ("" if plottable(report) else " (no plot: without our target-only there is no speedup to draw)"))
+          + ("" if drawn else " (no plot: without our target-only there is no speedup to draw)"))
     return 0
 
 

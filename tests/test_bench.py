@@ -127,8 +127,10 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     assert all(0 < run["new_tokens"] <= 6 for run in report["runs"])
     # the report rebuilds from its runs
     again = tmp_path / "again"
-    assert bench.main(["--from-runs", str(out / "results.json"), "--max-new-tokens", "6", "--out", str(again)]) == 0
+    assert bench.main(["--from-runs", str(out / "results.json"), "--out", str(again)]) == 0
     rebuilt = json.loads((again / "results.json").read_text())
+    # with the runs' own settings, not this command's defaults (64 new tokens, gamma 4)
+    assert (rebuilt["max_new_tokens"], rebuilt["gamma"]) == (6, 4) and rebuilt["summary"] == report["summary"]
     assert rebuilt["summary"]["grounded"]["greedy"]["methods"]["hybrid-token"] == \
         report["summary"]["grounded"]["greedy"]["methods"]["hybrid-token"]
     # without our target-only there is no speedup to plot: no empty panels, and no earlier plot left in place

@@ -744,6 +744,7 @@ def main(argv=None) -> int:
         if method not in HF_ALL:
             our_method(method, args.gamma)  # an unknown name fails here, before any model loads
     modes = [m for m in args.modes.split(",") if m]
+    settings = {name: getattr(args, name) for name in ("max_new_tokens", "repeats", "gamma")}
     if args.from_runs:
         earlier = [json.loads(Path(path).read_text(encoding="utf-8")) for path in args.from_runs.split(",")]
         runs = [run for report in earlier for run in report["runs"]]
@@ -754,7 +755,7 @@ def main(argv=None) -> int:
         models = {"dtype": earlier[0].get("dtype"),
                   "draft_quantization": earlier[0].get("draft_quantization", args.draft_quantization)}
         # what the runs were measured with, not this command's defaults
-        settings = {name: earlier[0].get(name, getattr(args, name)) for name in ("max_new_tokens", "repeats", "gamma")}
+        settings = {name: earlier[0].get(name, value) for name, value in settings.items()}
         sizes: dict[str, int] = {}
         for run in runs:
             run.setdefault("set", "default")
@@ -763,7 +764,6 @@ def main(argv=None) -> int:
         startup = startup_profile(args) if args.startup else None  # first, while nothing else is resident
         runs, cost, sizes, models = measure(args, methods, modes, prompt_sets(args.prompt_sets))
         runs_from, lookup = None, dataclasses.asdict(args.lookup)  # the decoder's, as measure() makes it
-        settings = {"max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "gamma": args.gamma}
 
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python -m bench.benchmark"] + (argv if argv is not None else sys.argv[1:])),

@@ -131,8 +131,6 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     rebuilt = json.loads((again / "results.json").read_text())
     # with the runs' own settings, not this command's defaults (64 new tokens, gamma 4)
     assert (rebuilt["max_new_tokens"], rebuilt["gamma"]) == (6, 4) and rebuilt["summary"] == report["summary"]
-    assert rebuilt["summary"]["grounded"]["greedy"]["methods"]["hybrid-token"] == \
-        report["summary"]["grounded"]["greedy"]["methods"]["hybrid-token"]
     # without our target-only there is no speedup to plot: no empty panels, and no earlier plot left in place
     alone = dict(report, runs=[r for r in report["runs"] if r["method"] == "model-token"])
     (tmp_path / "alone.json").write_text(json.dumps(alone))

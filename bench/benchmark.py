@@ -6,8 +6,9 @@ extending a repetitive structure), each greedy and sampled (T=0.7, top-p 0.9).
 
 Our methods are named drafter-verification: `model-token` (Google speculative sampling with the draft model),
 `model-block`, `lookup-token`, `lookup-block`, `hybrid-token`, `hybrid-block`; an `-adaptive` suffix picks the
-draft length adaptively and `-deepmind` the DeepMind variant (`google`, `deepmind` and `adaptive` are the
-model-token ones); `target` and `draft` decode with one model alone. Hugging Face baselines run `generate` on
+draft length adaptively, `-deepmind` the DeepMind variant (`google`, `deepmind` and `adaptive` are the
+model-token ones) and `-c0.5` sets the draft model's confidence stop (draft_confidence_threshold) to 0.5, where
+the methods without it take SamplingParams' default; `target` and `draft` decode with one model alone. Hugging Face baselines run `generate` on
 the models exactly as `from_pretrained` loads them: `hf_lookup` (its prompt lookup, prompt_lookup_num_tokens=10),
 `hf_assisted` (assisted generation with the draft), and on request `hf_target` and `hf_assisted_own_memory`
 (assisted generation with the library's layers on weights copied into the process's memory, as ours are).
@@ -41,9 +42,10 @@ from transformers import DynamicCache
 
 from specdec.adaptive import expected_speedup, fit_alpha
 from specdec.engine import LookupSettings, SpeculativeDecoder
+from specdec.errors import SpecDecError
 from specdec.kv_cache import input_device
 from specdec.loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels, use_stock_kernels
-from specdec.params import DRAFTERS, VERIFICATIONS
+from specdec.params import DRAFTERS, VERIFICATIONS, SamplingParams
 from specdec.text import encode_prompt
 from specdec.verification import EXPECTED_ACCEPTED
 
@@ -191,11 +193,20 @@ def our_method(method: str, gamma: int) -> dict:
     if method in ("target", "draft"):
         return {"method": method}
     parts = aliases.get(method, method).split("-")
-    if len(parts) < 2 or parts[0] not in DRAFTERS or parts[1] not in VERIFICATIONS \
-            or not set(parts[2:]) <= {"adaptive", "deepmind"}:
+    # a suffix c<P>: the draft model's confidence stop at P (draft_confidence_threshold)
+    thresholds = [part[1:] for part in parts[2:] if part.startswith("c")]
+    if len(parts) < 2 or parts[0] not in DRAFTERS or parts[1] not in VERIFICATIONS or len(thresholds) > 1 \
+            or not set(parts[2:]) - {f"c{t}" for t in thresholds} <= {"adaptive", "deepmind"}:
         raise ValueError(f"unknown method {method!r}")
-    return {"method": "deepmind" if "deepmind" in parts[2:] else "google", "drafter": parts[0],
-            "verification": parts[1], "gamma": None if "adaptive" in parts[2:] else gamma}
+    keywords = {"method": "deepmind" if "deepmind" in parts[2:] else "google", "drafter": parts[0],
+                "verification": parts[1], "gamma": None if "adaptive" in parts[2:] else gamma}
+    if thresholds:
+        try:
+            keywords["draft_confidence_threshold"] = SamplingParams(
+                draft_confidence_threshold=float(thresholds[0])).draft_confidence_threshold
+        except (ValueError, SpecDecError):
+            raise ValueError(f"unknown method {method!r}: c must be followed by a number from 0 to 1") from None
+    return keywords
 
 
 class BlockScorer:

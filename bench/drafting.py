@@ -44,14 +44,14 @@ class ArgmaxDraft:
         self.widths.append(len(seq) - self.length)
         self.length = len(seq)
         n = len(seq)
-        return (self.argmax[n - 1] if seq == self.text[:n] else WRONG), None
+        return (self.argmax[n - 1] if seq == self.text[:n] else WRONG), None, True
 
     def propose(self, ids, gamma, limit, generator_at=None):
         from specdec.drafters import Proposal
 
         proposal, seq = Proposal(), list(ids)
         for _ in range(min(gamma, limit)):
-            token, _ = self.draw(seq)
+            token, _, _ = self.draw(seq)
             proposal.add(token, None, "model")
             seq.append(token)
         return proposal

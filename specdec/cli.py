@@ -121,6 +121,12 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
     parser.add_argument("--verification", default=SamplingParams.verification, choices=VERIFICATIONS,
                         help="token (token by token) or block (the block jointly, Sun et al. 2025) (default "
                              f"{SamplingParams.verification})")
+    parser.add_argument("--draft_confidence_threshold", default=SamplingParams.draft_confidence_threshold,
+                        type=_sampling_flag("draft_confidence_threshold", float, "must be a number from 0 to 1"),
+                        metavar="P", help="the draft model ends its run before gamma after a token it gave a "
+                                          "probability below P (softmax of its logits, before temperature and "
+                                          "top-k/top-p); 0 never (default "
+                                          f"{SamplingParams.draft_confidence_threshold:g})")
     for field, flag in LOOKUP_KEYS.items():
         default = getattr(LookupSettings, field)
         if isinstance(default, bool):
@@ -190,7 +196,8 @@ def stats_line(stats: GenerationStats) -> str:
 def sampling_params(args, method: str, seed: int, drafter: str | None = None) -> SamplingParams:
     return SamplingParams(max_new_tokens=args.max_tokens, method=method, gamma=args.gamma,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
-                          drafter=drafter or args.drafter, verification=args.verification)
+                          drafter=drafter or args.drafter, verification=args.verification,
+                          draft_confidence_threshold=args.draft_confidence_threshold)
 
 
 def decodings(args) -> list[tuple[str, str, str]]:

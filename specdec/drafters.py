@@ -1,7 +1,8 @@
 """Ways of drafting: each proposes up to `limit` tokens after the committed sequence, with the distribution q each
 was drawn from, and the engine verifies the Proposal the same way whoever made it.
 
-- ModelDrafter: the draft model samples autoregressively from its own (warped) distribution q.
+- ModelDrafter: the draft model samples autoregressively from its own (warped) distribution q, and may end its
+  run early after a token it is unsure of (`confidence_threshold`).
 - LookupDrafter: prompt lookup. The longest suffix of the sequence (n-gram sizes from `max_ngram` down to
   `min_match`) is looked up among earlier positions of the prompt and the generated text, and the token that
   followed its most recent occurrence is proposed. It is a deterministic proposal, so it carries a one-hot q:
@@ -12,8 +13,8 @@ was drawn from, and the engine verifies the Proposal the same way whoever made i
 
 What proposes at each position depends only on the sequence before it (the committed tokens and this round's
 proposals before it), never on random draws or on where the round began: a proposed token continues the match
-of the sequence as extended by the proposals before it, and a drafter's cap ends the round rather than handing
-the position to the other drafter. With adaptive gamma's per-position draws, the output then does not depend on
+of the sequence as extended by the proposals before it, and a drafter's cap (or the draft model's unsure token)
+ends the round rather than handing the position to the other drafter. With adaptive gamma's per-position draws, the output then does not depend on
 the round lengths chosen, as with the draft model alone.
 """
 
@@ -24,7 +25,7 @@ import torch
 
 from .kv_cache import CachedModel
 from .params import LookupSettings
-from .sampling import sample
+from .sampling import sample, token_probability
 
 SOURCES = {"model": "draft", "lookup": "lookup"}  # drafter -> the source label of its accepted tokens
 
@@ -89,28 +90,43 @@ class NgramIndex:
 
 class ModelDrafter:
     """The draft model as a drafter: it owns its KV cache for the request. Its first forward of a round feeds
-    every token it has not seen (committed since, or proposed by the lookup) in one forward."""
+    every token it has not seen (committed since, or proposed by the lookup) in one forward.
+
+    `confidence_threshold`: the draft ends its run after a token it gave a probability below this (softmax of its
+    logits, before temperature, top-k and top-p), instead of drafting on to gamma. That decision reads the draft's
+    own outputs only, never the target's or the verification's draws, so exactness is untouched; it saves the
+    draft forwards and the verification width that proposals after an unsure token mostly waste. 0 never stops.
+    """
 
     name = "model"
 
     def __init__(self, model: CachedModel, probs: Callable[[torch.Tensor], torch.Tensor],
-                 forward: Callable[[CachedModel, list[int]], torch.Tensor]):
+                 forward: Callable[[CachedModel, list[int]], torch.Tensor], confidence_threshold: float = 0.0):
         self.model = model
         self.probs = probs  # logits -> the warped distribution, as for the target
         self.forward = forward  # the request's timed forward: (model, new tokens) -> logits of the last one
+        self.confidence_threshold = confidence_threshold
 
-    def draw(self, seq: list[int], generator: torch.Generator) -> tuple[int, torch.Tensor]:
-        """The draft's next token after seq and the distribution q it was drawn from."""
-        q = self.probs(self.forward(self.model, seq[self.model.length:])[-1])
-        return sample(q, generator), q
+    def draw(self, seq: list[int], generator: torch.Generator) -> tuple[int, torch.Tensor, bool]:
+        """The draft's next token after seq, the distribution q it was drawn from, and whether the run may go on
+        after it (the draft's probability of it reaches confidence_threshold)."""
+        logits = self.forward(self.model, seq[self.model.length:])[-1]
+        q = self.probs(logits)
+        token = sample(q, generator)
+        go_on = (self.confidence_threshold <= 0
+                 or token_probability(logits[: q.size(-1)], token) >= self.confidence_threshold)
+        return token, q, go_on
 
     def propose(self, ids: list[int], gamma: int, limit: int, generator_at) -> Proposal:
-        """min(gamma, limit) tokens drawn autoregressively; proposal i's draw from generator_at(i)."""
+        """Up to min(gamma, limit) tokens drawn autoregressively, ending early after an unsure one; proposal i's
+        draw from generator_at(i)."""
         proposal, seq = Proposal(), list(ids)
         for i in range(min(gamma, limit)):
-            token, q = self.draw(seq, generator_at(i))
+            token, q, go_on = self.draw(seq, generator_at(i))
             proposal.add(token, q, self.name)
             seq.append(token)
+            if not go_on:
+                break
         return proposal
 
     def rollback(self, length: int) -> None:
@@ -184,7 +200,7 @@ class HybridDrafter:
     A round is served by the drafter of its first position and ends where the other one would take over, unless
     `extend` lets them mix (the lookup continuing where the draft model's tokens found a match, and the draft
     model again where that match ends); each drafter's cap (gamma for the model, max_tokens for the lookup) ends
-    the round. A round the lookup starts always runs to its cap or the limit: its proposals copy earlier text,
+    the round, and so does a token the draft model was unsure of. A round the lookup starts always runs to its cap or the limit: its proposals copy earlier text,
     whose n-grams all have a known next token, so mixing starts with the draft model.
     """
 
@@ -204,12 +220,14 @@ class HybridDrafter:
             if counts[drafter] >= caps[drafter] or (proposal.drafters and drafter != proposal.drafters[0]
                                                      and not self.settings.extend):
                 break
-            q = None  # a lookup token's one-hot row is filled in below, all of them in one write
+            q, go_on = None, True  # a lookup token's one-hot row is filled in below, all of them in one write
             if token is None:
-                token, q = self.model.draw(seq, generator_at(i))
+                token, q, go_on = self.model.draw(seq, generator_at(i))
             proposal.add(token, q, drafter)
             counts[drafter] += 1
             seq.append(token)
+            if not go_on:  # the draft model was unsure of its token
+                break
         if counts["lookup"]:
             at = [i for i, drafter in enumerate(proposal.drafters) if drafter == "lookup"]
             rows = self.lookup.one_hots([proposal.tokens[i] for i in at])

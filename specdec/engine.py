@@ -202,6 +202,8 @@ class _Request:
             method=self.params.method, gamma=self.params.gamma if speculative else None,
             drafter=self.params.drafter if speculative else None,
             verification=self.params.verification if speculative else None,
+            draft_confidence_threshold=(self.params.draft_confidence_threshold
+                                        if speculative and self.params.drafter != "lookup" else None),
             seed=self.seed, prompt_tokens=self.prompt_len, new_tokens=new, proposed=self.proposed,
             accepted=self.accepted, acceptance_rate=self.accepted / self.proposed if self.proposed else None,
             tokens_per_target_forward=new / target_forwards if target_forwards else None, rounds=self.rounds,
@@ -267,15 +269,18 @@ class SpeculativeDecoder:
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  eos_token_id=None, *, drafter: str = SamplingParams.drafter,
                  verification: str = SamplingParams.verification,
+                 draft_confidence_threshold: float = SamplingParams.draft_confidence_threshold,
                  params: SamplingParams | None = None) -> GenerationResult:
         """Decode up to max_new_tokens after input_ids. gamma=None chooses the draft length adaptively.
 
         drafter: "model" (the draft model), "lookup" (prompt lookup) or "hybrid" (lookup where it matches, the
-        model elsewhere); verification: "token" or "block". `params`, if given, is used instead of the sampling
-        keywords (max_new_tokens .. seed, drafter, verification)."""
+        model elsewhere); verification: "token" or "block"; draft_confidence_threshold: the draft model ends its
+        run after a token it gave a probability below this (0: never). `params`, if given, is used instead of the
+        sampling keywords (max_new_tokens .. seed, drafter, verification, draft_confidence_threshold)."""
         stream = self.stream(input_ids, max_new_tokens=max_new_tokens, method=method, gamma=gamma,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-                             drafter=drafter, verification=verification, params=params)
+                             drafter=drafter, verification=verification,
+                             draft_confidence_threshold=draft_confidence_threshold, params=params)
         while True:
             try:
                 next(stream)
@@ -285,7 +290,9 @@ class SpeculativeDecoder:
     def stream(self, input_ids, max_new_tokens: int = 64, method: str = "google", gamma: int | None = 4,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                eos_token_id=None, *, drafter: str = SamplingParams.drafter,
-               verification: str = SamplingParams.verification, params: SamplingParams | None = None) -> Stream:
+               verification: str = SamplingParams.verification,
+               draft_confidence_threshold: float = SamplingParams.draft_confidence_threshold,
+               params: SamplingParams | None = None) -> Stream:
         """Like `generate`, but yields each round's committed tokens as a Chunk and returns the GenerationResult.
 
         Arguments are checked here, before decoding starts. `send("stop")` ends decoding with finish_reason
@@ -295,7 +302,7 @@ class SpeculativeDecoder:
         if params is None:
             params = SamplingParams(max_new_tokens=max_new_tokens, method=method, gamma=gamma,
                                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, drafter=drafter,
-                                    verification=verification)
+                                    verification=verification, draft_confidence_threshold=draft_confidence_threshold)
         elif not isinstance(params, SamplingParams):
             raise SpecDecError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
         seed = int.from_bytes(os.urandom(8), "little") >> 1 if params.seed is None else params.seed % 2**64
@@ -353,7 +360,7 @@ class SpeculativeDecoder:
                                min_match=self.lookup.hybrid_min_match if kind == "hybrid" else None)
         if kind == "lookup":
             return lookup
-        model = ModelDrafter(CachedModel(self.draft_model), probs, forward)
+        model = ModelDrafter(CachedModel(self.draft_model), probs, forward, req.params.draft_confidence_threshold)
         return model if kind == "model" else HybridDrafter(model, lookup, self.lookup)
 
     def _speculate(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:

@@ -25,8 +25,10 @@ class SamplingParams:
     """How to decode one request. Checked when built: a bad value raises SpecDecError naming the field.
 
     gamma None chooses the draft length adaptively; temperature 0 is greedy; top_k 0 and top_p 1 cut nothing;
-    seed None draws a random seed (the stats report the one used). `drafter` and `verification` matter to the
-    speculative methods only: who proposes (drafters.py) and which rule verifies (verification.py).
+    seed None draws a random seed (the stats report the one used). `drafter`, `verification` and
+    `draft_confidence_threshold` matter to the speculative methods only: who proposes (drafters.py), which rule
+    verifies (verification.py), and the draft model's probability of its own token below which it ends its run
+    before gamma (0: never; gamma stays the most it proposes).
     """
 
     max_new_tokens: int = 64
@@ -38,6 +40,7 @@ class SamplingParams:
     seed: int | None = None
     drafter: str = "model"
     verification: str = "token"
+    draft_confidence_threshold: float = 0.0
 
     def __post_init__(self):
         for name, allowed in (("method", METHODS), ("drafter", DRAFTERS), ("verification", VERIFICATIONS)):
@@ -57,6 +60,11 @@ class SamplingParams:
             raise SpecDecError(f"top_p must be in (0, 1], got {top_p}", field="top_p")
         if self.seed is not None:
             _integer(self.seed, "seed", SEED_MIN, SEED_MAX)
+        threshold = _finite(self.draft_confidence_threshold, "draft_confidence_threshold")
+        if not 0 <= threshold <= 1:
+            raise SpecDecError(f"draft_confidence_threshold must be between 0 and 1, got {threshold}",
+                               field="draft_confidence_threshold")
+        object.__setattr__(self, "draft_confidence_threshold", threshold)
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
 

@@ -55,6 +55,13 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int =
     return warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
 
 
+def token_probability(logits: torch.Tensor, token: int) -> float:
+    """softmax(logits)[token], the model's own probability of `token` (no temperature, top-k or top-p), from the
+    (V,) logits without materialising the softmax: exp(logits[token] - logsumexp(logits))."""
+    logits = logits.float()
+    return float((logits[token] - logits.logsumexp(-1)).exp())
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token from a (V,) distribution by inverse CDF, with a uniform from the (CPU) request generator.
 

@@ -14,6 +14,8 @@ class GenerationStats(Mapping):
     gamma: int | None  # None: adaptive, or a method without proposals
     drafter: str | None  # "model" | "lookup" | "hybrid"; None: a method without proposals
     verification: str | None  # "token" | "block"; None: a method without proposals
+    # the draft model ends its run after a token it gave less than this (0: never); None: no draft model drafts
+    draft_confidence_threshold: float | None
     seed: int
     prompt_tokens: int
     new_tokens: int  # generated tokens only, never the prompt's

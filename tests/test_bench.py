@@ -32,8 +32,14 @@ def test_method_names_map_to_drafter_rule_and_variant():
     assert bench.our_method("lookup-token-adaptive-deepmind", 4)["gamma"] is None
     assert bench.our_method("google", 4) == bench.our_method("model-token", 4)
     assert bench.our_method("target", 4) == {"method": "target"}
-    with pytest.raises(ValueError):
-        bench.our_method("ngram-token", 4)
+    assert bench.our_method("hybrid-token-c0.6", 4)["draft_confidence_threshold"] == 0.6
+    assert bench.our_method("model-block-adaptive-c0", 4) == {
+        "method": "google", "drafter": "model", "verification": "block", "gamma": None,
+        "draft_confidence_threshold": 0.0}
+    for bad in ("ngram-token", "model-token-c", "model-token-c1.5", "model-token-cx", "model-token-c0.2-c0.3",
+                "model-token-fast"):
+        with pytest.raises(ValueError):
+            bench.our_method(bad, 4)
 
 
 def test_lookup_settings_are_read_by_name_and_checked():

@@ -137,6 +137,8 @@ def test_benchmark_prints_speedup_over_target(pair_args, capsys):
     (["--method", "beam"], "method"),
     (["--drafter", "ngram"], "drafter"),
     (["--verification", "tree"], "verification"),
+    (["--draft_confidence_threshold", "1.5"], "draft_confidence_threshold"),
+    (["--draft_confidence_threshold", "sure"], "draft_confidence_threshold"),
     (["--dtype", "int4"], "dtype"),
     (["--draft_quantization", "int4"], "draft_quantization"),
     (["--device", "tpu9"], "device"),

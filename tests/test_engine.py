@@ -2,16 +2,18 @@
 
 import random
 import time
+import types
 
 import pytest
 import torch
 
 from specdec import LookupSettings, SpecDecError, SpeculativeDecoder
-from specdec.drafters import LookupDrafter, NgramIndex
+from specdec.drafters import LookupDrafter, ModelDrafter, NgramIndex
 from specdec.kv_cache import CachedModel
 from specdec.params import DRAFTERS, VERIFICATIONS
+from specdec.sampling import logits_to_probs
 from tests.support.models import ARCHITECTURES, make_model, make_tokenizer, perturbed_copy
-from tests.support.spies import hybrid_rounds
+from tests.support.spies import ended_early, hybrid_rounds, model_runs
 
 PROMPT = [3, 1, 4, 1, 5]
 
@@ -374,7 +376,7 @@ class ScriptedModel:
 
     def draw(self, seq, generator=None):
         token = next(self.script)
-        return token, torch.nn.functional.one_hot(torch.tensor(token), 16).float()
+        return token, torch.nn.functional.one_hot(torch.tensor(token), 16).float(), True
 
     def rollback(self, length: int) -> None:
         pass
@@ -418,6 +420,48 @@ def test_hybrid_uses_lookup_where_it_matches_and_the_model_elsewhere():
     # the first round is the lookup's: (7, 8, 9, 10) occurred before, followed by 11, 12, ...
     first = next(iter(decoder.stream(prompt, max_new_tokens=30, gamma=3, temperature=0, drafter="hybrid")))
     assert first.sources[0] in ("lookup", "resampled")
+
+
+def test_draft_model_ends_its_run_after_a_token_it_is_unsure_of():
+    """ModelDrafter proposes up to gamma tokens and stops after the first whose probability under the draft
+    (softmax of its logits, before any warping) is below confidence_threshold; that token is still proposed."""
+    confidence = [0.9, 0.8, 0.3, 0.9, 0.9]  # the draft's probability of its argmax at each step
+
+    def forward(model, tokens):
+        p = confidence[forward.calls]
+        forward.calls += 1
+        probs = torch.full((1, 8), (1 - p) / 7)
+        probs[0, forward.calls] = p  # the argmax is token 1, 2, 3, ... in turn
+        return probs.log()
+
+    for threshold, expected in ((0.0, [1, 2, 3, 4]), (0.5, [1, 2, 3]), (0.85, [1, 2]), (0.95, [1]), (0.29, [1, 2, 3, 4])):
+        forward.calls = 0
+        drafter = ModelDrafter(types.SimpleNamespace(length=0), lambda logits: logits_to_probs(logits, 0), forward,
+                               confidence_threshold=threshold)
+        proposal = drafter.propose([0], gamma=4, limit=10, generator_at=lambda i: None)
+        assert proposal.tokens == expected, threshold
+        assert forward.calls == len(expected)  # no draft forward after the unsure token
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_draft_confidence_stop_keeps_greedy_equivalence(arch, monkeypatch):
+    """The draft model ending its runs early (every run at threshold 1, some at 0.05: these tiny models give
+    their argmax 0.04-0.07) leaves greedy output target-only's, for model and hybrid drafting, both rules,
+    fixed and adaptive gamma."""
+    runs = model_runs(monkeypatch)
+    target = make_model(arch, seed=0, initializer_range=0.1)
+    decoder = SpeculativeDecoder(perturbed_copy(target, noise=0.3), target)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1]
+    reference = decoder.generate(prompt, max_new_tokens=30, method="target", temperature=0).token_ids
+    for threshold in (0.05, 1.0):
+        for drafter in ("model", "hybrid"):
+            for rule in VERIFICATIONS:
+                for method, gamma in (("google", 4), ("deepmind", 6), ("google", None)):
+                    result = decoder.generate(prompt, max_new_tokens=30, method=method, gamma=gamma, temperature=0,
+                                              drafter=drafter, verification=rule,
+                                              draft_confidence_threshold=threshold)
+                    assert result.token_ids == reference, (arch, threshold, drafter, rule, method, gamma)
+    assert ended_early(runs) > 0 and any(proposed > 1 for proposed, cap in runs)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -497,7 +541,10 @@ def test_every_drafter_and_rule_respects_max_new_tokens_and_reports_itself(decod
 
 
 def test_bad_drafter_or_rule_names_the_field(decoder):
-    for kwargs, field in (({"drafter": "ngram"}, "drafter"), ({"verification": "tree"}, "verification")):
+    for kwargs, field in (({"drafter": "ngram"}, "drafter"), ({"verification": "tree"}, "verification"),
+                          ({"draft_confidence_threshold": 1.5}, "draft_confidence_threshold"),
+                          ({"draft_confidence_threshold": float("nan")}, "draft_confidence_threshold"),
+                          ({"draft_confidence_threshold": "high"}, "draft_confidence_threshold")):
         with pytest.raises(SpecDecError) as err:
             decoder.generate(PROMPT, **kwargs)
         assert err.value.field == field

@@ -10,7 +10,9 @@ settings, with fewer draws (DRAFTER_SAMPLES): the wrong rule still fails by a wi
 each drafter (tested), and a deliberately wrong block verification fails too. Lookup needs repeated n-grams,
 so those tests start from a repetitive prompt, and assert from the stats that the lookup proposed and was
 accepted. The hybrid with `extend` (rounds that mix the two drafters) passes it too, under both rules and the
-six settings, on a prompt where most completions have such a round (counted).
+six settings, on a prompt where most completions have such a round (counted). So does the draft model ending its
+runs on an unsure token (draft_confidence_threshold), for the model and hybrid drafters, both rules, the six
+settings and adaptive gamma, with the stop counted so that it demonstrably fired.
 
 The many-sample tests use TinyCausalLM (a one-layer model on a real DynamicCache, ~10x cheaper per forward
 than a library model); one test repeats the check on a transformers Llama with its own cache.
@@ -29,7 +31,7 @@ from specdec import SpeculativeDecoder
 from specdec.cpu.linear import pack_linears, quantization_supported, quantize_linears
 from specdec.drafters import LookupSettings
 from tests.support.models import make_model
-from tests.support.spies import hybrid_rounds
+from tests.support.spies import ended_early, hybrid_rounds, model_draws, model_runs
 from tests.support.tiny_lm import TinyCausalLM
 
 VOCAB = 8
@@ -345,3 +347,45 @@ def test_wrong_rule_fails_the_test_on_mixed_rounds(close_pair, monkeypatch):
                   gamma=3, seed=19, prompt=EXTEND_PROMPT, drafter="hybrid")
     assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"], prompt=EXTEND_PROMPT),
                            DRAFTER_SAMPLES) < 1e-6
+
+
+# --- the draft model ending its run after an unsure token (draft_confidence_threshold) -----------------------------
+
+# the close pair's draft gives its own tokens 0.1-0.9 here, so at 0.4 it goes on after some and stops after others
+# (after 93% of them at t1.5, where it samples less likely tokens)
+CONFIDENCE = 0.4
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("setting, drafter, rule, variant, gamma", [
+    ("t0.7", "model", "token", "google", 3), ("t1", "model", "block", "deepmind", 3),
+    ("t1.5", "model", "token", "deepmind", 3), ("topk3", "model", "block", "google", 3),
+    ("topp0.8", "hybrid", "token", "google", 3), ("t0.8-topk5-topp0.9", "hybrid", "block", "deepmind", 3),
+    ("t1", "model", "token", "google", None)])
+def test_draft_confidence_stop_samples_follow_target_distribution(close_pair, monkeypatch, setting, drafter, rule,
+                                                                  variant, gamma):
+    """Where a run ends reads the draft's own outputs only, so every completion keeps the target's distribution;
+    the stats and spies show the stop at work (runs ending early, and runs going on after a token)."""
+    draft, target = close_pair
+    draws, runs, totals, prompt = model_draws(monkeypatch), model_runs(monkeypatch), {}, prompt_for(drafter)
+    if gamma is None:  # adaptive gamma with random lengths of up to 3, as in the adaptive tests above
+        lengths = random.Random(9)
+        monkeypatch.setattr("specdec.engine.AdaptiveGamma.choose", lambda self: lengths.randint(0, 3))
+    expected = exact_distribution(target, *SETTINGS[setting], prompt=prompt)
+    counts = draw(SpeculativeDecoder(draft, target), variant, SETTINGS[setting], DRAFTER_SAMPLES, gamma=gamma,
+                  seed=23, prompt=prompt, totals=totals, drafter=drafter, verification=rule,
+                  draft_confidence_threshold=CONFIDENCE)
+    assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
+    assert_drafters_served(drafter, totals, DRAFTER_SAMPLES)
+    assert 0.05 * len(draws) < draws.count(False) < 0.95 * len(draws)  # unsure tokens, and sure ones
+    if drafter == "model":
+        assert ended_early(runs) > 0.1 * len(runs)
+
+
+@pytest.mark.statistical
+def test_wrong_rule_fails_the_test_with_the_draft_confidence_stop(close_pair, monkeypatch):
+    draft, target = close_pair
+    monkeypatch.setattr("specdec.verification.residual_probs", plain_p)
+    counts = draw(SpeculativeDecoder(draft, target), "google", SETTINGS["t1"], DRAFTER_SAMPLES, gamma=3, seed=23,
+                  draft_confidence_threshold=CONFIDENCE)
+    assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), DRAFTER_SAMPLES) < 1e-6

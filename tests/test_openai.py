@@ -76,6 +76,7 @@ def test_models_lists_the_target_with_the_draft_in_its_metadata(client):
     assert model["id"] == "target" and model["object"] == "model" and model["max_model_len"] == 256
     assert model["metadata"]["draft"] == "draft" and model["metadata"]["target"] == "target"
     assert model["metadata"]["drafter"] == "model" and model["metadata"]["verification"] == "token"
+    assert model["metadata"]["draft_confidence_threshold"] == 0.0
 
 
 def test_completion_answer(client):
@@ -134,6 +135,12 @@ def test_every_drafter_and_rule_is_served_and_greedy_equals_target_only(client, 
     assert stats["drafter"] == drafter and stats["verification"] == verification
     answer = chat(client, temperature=0, max_tokens=8, drafter=drafter, verification=verification).get_json()
     assert answer["choices"][0]["speculative_decoding_stats"]["drafter"] == drafter
+    stopped = complete(client, prompt=prompt, temperature=0, max_tokens=30, drafter=drafter,
+                       verification=verification, draft_confidence_threshold=1).get_json()
+    assert stopped["choices"][0]["text"] == target_only["text"]
+    stopped_stats = stopped["choices"][0]["speculative_decoding_stats"]
+    assert stopped_stats["draft_confidence_threshold"] == (None if drafter == "lookup" else 1.0)
+    assert stats["draft_confidence_threshold"] == (None if drafter == "lookup" else 0.0)
 
 
 def test_max_tokens_left_out_fits_the_context(client):
@@ -261,6 +268,7 @@ REFUSED = [  # (route, field values, param, code)
     ("completions", {"drafter": "ngram"}, "drafter", "invalid_value"),
     ("chat", {"drafter": 1}, "drafter", "invalid_value"),
     ("chat", {"verification": "tree"}, "verification", "invalid_value"),
+    ("completions", {"draft_confidence_threshold": 2}, "draft_confidence_threshold", "invalid_value"),
     ("completions", {"seed": 2**64}, "seed", "invalid_value"),
     ("completions", {"stop": [f"s{i}" for i in range(17)]}, "stop", "invalid_value"),
     ("completions", {"stop": [""]}, "stop", "invalid_value"),

@@ -270,6 +270,9 @@ def test_chunked_body_over_the_limit_is_413(client):
     ({"drafter": "ngram"}, "drafter"),
     ({"drafter": 1}, "drafter"),
     ({"verification": "tree"}, "verification"),
+    ({"draft_confidence_threshold": 1.5}, "draft_confidence_threshold"),
+    ({"draft_confidence_threshold": -0.1}, "draft_confidence_threshold"),
+    ({"draft_confidence_threshold": "0.5"}, "draft_confidence_threshold"),
     ({"stop": "\n"}, "stop"),
     ({"stop": ["ok", 3]}, "stop"),
     ({"stop": [""]}, "stop"),
@@ -476,6 +479,19 @@ def test_drafter_and_verification_fields(client, drafter, verification):
     assert sources <= {"draft", "lookup", "resampled", "bonus"}
     if drafter != "model":
         assert stats["proposed_by_drafter"]["lookup"] > 0
+
+
+def test_draft_confidence_threshold_field(client):
+    """At 1 the draft model ends every run after its first token (any probability is below 1): one model proposal
+    per round at most, and greedy output still target-only's; left out, the configured 0 drafts gamma tokens."""
+    target_only = predict(client, temperature=0, max_new_tokens=30, method="target").get_json()
+    body = predict(client, temperature=0, max_new_tokens=30, gamma=4, draft_confidence_threshold=1).get_json()
+    assert body["text"] == target_only["text"]
+    stats = body["stats"]
+    assert stats["draft_confidence_threshold"] == 1.0
+    assert stats["proposed"] <= stats["rounds"] and stats["draft_forwards"] <= stats["rounds"]
+    default = predict(client, temperature=0, max_new_tokens=30, gamma=4).get_json()["stats"]
+    assert default["draft_confidence_threshold"] == 0.0 and default["proposed"] > default["rounds"]
 
 
 def test_chat_applies_the_template(client):

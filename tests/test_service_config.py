@@ -34,6 +34,15 @@ def test_drafter_and_verification_from_the_environment():
         load_settings(environ={"SPECDEC_DRAFTER": "ngram"})
 
 
+def test_draft_confidence_threshold_from_the_environment():
+    assert load_settings().sampling.draft_confidence_threshold == 0.0  # config/default.toml
+    settings = load_settings(environ={"SPECDEC_DRAFT_CONFIDENCE_THRESHOLD": "0.6"})
+    assert settings.sampling.draft_confidence_threshold == 0.6
+    for bad in ("1.5", "-0.1", "nan", "sure"):
+        with pytest.raises(ConfigError, match="draft_confidence_threshold.*SPECDEC_DRAFT_CONFIDENCE_THRESHOLD"):
+            load_settings(environ={"SPECDEC_DRAFT_CONFIDENCE_THRESHOLD": bad})
+
+
 def test_lookup_settings_default_to_the_measured_ones_and_come_from_the_environment():
     assert load_settings().lookup == LookupSettings()  # config/default.toml says what the engine's defaults say
     settings = load_settings(environ={"SPECDEC_LOOKUP_MAX_NGRAM": "5", "SPECDEC_LOOKUP_MAX_TOKENS": "10",

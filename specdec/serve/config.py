@@ -42,6 +42,7 @@ class Settings(BaseModel):
     method: Literal[SERVED_METHODS]
     drafter: Literal[DRAFTERS]
     verification: Literal[VERIFICATIONS]
+    draft_confidence_threshold: float = Field(ge=0, le=1, allow_inf_nan=False)
     gamma: int | None = Field(ge=1)  # None: adaptive
     max_gamma: int = Field(ge=1, le=MAX_GAMMA)
     temperature: float = Field(ge=0, allow_inf_nan=False)
@@ -109,7 +110,8 @@ class Settings(BaseModel):
         """The decoding defaults a request gets for the fields it leaves out (no seed: each request draws one)."""
         return SamplingParams(max_new_tokens=self.max_new_tokens, method=self.method, gamma=self.gamma,
                               temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, drafter=self.drafter,
-                              verification=self.verification)
+                              verification=self.verification,
+                              draft_confidence_threshold=self.draft_confidence_threshold)
 
     @property
     def lookup(self) -> LookupSettings:

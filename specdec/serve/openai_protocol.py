@@ -31,6 +31,7 @@ from ..params import DRAFTERS, MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SERVED_METHO
 from .config import Settings
 from .errors import ApiError
 from .protocol import (
+    CONFIDENCE_DESCRIPTION,
     DRAFTER_DESCRIPTION,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -186,6 +187,8 @@ class _Request(BaseModel):
     method: Literal[SERVED_METHODS] | None = Field(None, description="extension: the decoding method")
     drafter: Literal[DRAFTERS] | None = Field(None, description="extension: " + DRAFTER_DESCRIPTION)
     verification: Literal[VERIFICATIONS] | None = Field(None, description="extension: " + VERIFICATION_DESCRIPTION)
+    draft_confidence_threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
+                                                     description="extension: " + CONFIDENCE_DESCRIPTION)
 
     @field_validator("temperature")
     @classmethod
@@ -348,6 +351,8 @@ class SpeculativeDecodingStats(BaseModel):
     gamma: int | None = Field(description="draft tokens proposed per round; null: adaptive, or no draft")
     drafter: str | None = Field(description="model, lookup or hybrid; null: no proposals (target)")
     verification: str | None = Field(description="token or block; null: no proposals (target)")
+    draft_confidence_threshold: float | None = Field(
+        description="the draft model's confidence stop (0: none); null: no draft model drafts")
     seed: int = Field(description="the seed used (drawn at random when the request gave none)")
     num_draft_tokens: int = Field(description="draft tokens proposed to the target")
     num_accepted_tokens: int = Field(description="draft tokens the target accepted")
@@ -361,7 +366,7 @@ class SpeculativeDecodingStats(BaseModel):
         if stats is None:
             return None
         return cls(method=stats.method, gamma=stats.gamma, drafter=stats.drafter, verification=stats.verification,
-                   seed=stats.seed, num_draft_tokens=stats.proposed,
+                   draft_confidence_threshold=stats.draft_confidence_threshold, seed=stats.seed, num_draft_tokens=stats.proposed,
                    num_accepted_tokens=stats.accepted, draft_acceptance_rate=stats.acceptance_rate,
                    mean_acceptance_length=stats.tokens_per_target_forward,
                    num_accepted_tokens_per_pos=list(stats.accepted_per_position))
@@ -454,6 +459,7 @@ class ModelMetadata(BaseModel):
     gamma: int | None = Field(description="the default draft length; null: adaptive")
     drafter: str = Field(description="the default drafter: model, lookup or hybrid")
     verification: str = Field(description="the default verification rule: token or block")
+    draft_confidence_threshold: float = Field(description="the default draft-confidence stop (0: none)")
 
 
 class Model(BaseModel):

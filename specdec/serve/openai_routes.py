@@ -61,7 +61,8 @@ def model_card(svc) -> Model:
                  metadata=ModelMetadata(draft=info["models"]["draft"], target=info["models"]["target"],
                                         device=info["device"], dtype=info["dtype"], method=sampling.method,
                                         gamma=sampling.gamma, drafter=sampling.drafter,
-                                        verification=sampling.verification))
+                                        verification=sampling.verification,
+                                        draft_confidence_threshold=sampling.draft_confidence_threshold))
 
 
 @openai_routes.get("/models")

@@ -36,6 +36,8 @@ NOT_BLANK = re.compile(NOT_BLANK_PATTERN)
 DRAFTER_DESCRIPTION = ("who proposes: the draft model, prompt lookup (n-grams of the prompt and the text so far), "
                        "or hybrid (lookup where it matches, the draft model elsewhere)")
 VERIFICATION_DESCRIPTION = "how proposals are verified: token by token, or the block jointly (Sun et al. 2025)"
+CONFIDENCE_DESCRIPTION = ("the draft model ends its run before gamma after a token it gave a probability below "
+                          "this (softmax of its logits, before temperature, top-k and top-p); 0: never")
 
 
 class PredictRequest(BaseModel):
@@ -59,6 +61,8 @@ class PredictRequest(BaseModel):
     method: Literal[SERVED_METHODS] | None = None
     drafter: Literal[DRAFTERS] | None = Field(None, description=DRAFTER_DESCRIPTION)
     verification: Literal[VERIFICATIONS] | None = Field(None, description=VERIFICATION_DESCRIPTION)
+    draft_confidence_threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
+                                                     description=CONFIDENCE_DESCRIPTION)
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
         None, max_length=MAX_STOP_STRINGS, description="the completion ends before the first one found")
     chat: bool | None = Field(None, description="wrap the prompt in the model's chat template")
@@ -182,7 +186,7 @@ def request_schema(settings: Settings) -> dict:
            default=f"default {defaults.max_new_tokens}")
     _bound(props["gamma"], maximum=settings.max_gamma,
            default="default " + ("adaptive" if defaults.gamma is None else str(defaults.gamma)))
-    for name in ("temperature", "top_k", "top_p", "method", "drafter", "verification"):
+    for name in ("temperature", "top_k", "top_p", "method", "drafter", "verification", "draft_confidence_threshold"):
         _bound(props[name], default=f"default {getattr(defaults, name)}")
     props["prompt"]["description"] += f" (at most {settings.max_prompt_tokens} tokens)"
     return schema

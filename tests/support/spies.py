@@ -1,6 +1,6 @@
 """Spies on the engine's parts, installed with pytest's monkeypatch for one test."""
 
-from specdec.drafters import HybridDrafter
+from specdec.drafters import HybridDrafter, ModelDrafter
 
 
 def hybrid_rounds(monkeypatch) -> list[list[str]]:
@@ -14,3 +14,34 @@ def hybrid_rounds(monkeypatch) -> list[list[str]]:
 
     monkeypatch.setattr(HybridDrafter, "propose", spy)
     return rounds
+
+
+def model_runs(monkeypatch) -> list[tuple[int, int]]:
+    """(tokens proposed, the most it could propose: min(gamma, limit)) of every ModelDrafter.propose call."""
+    runs, original = [], ModelDrafter.propose
+
+    def spy(self, ids, gamma, limit, generator_at):
+        proposal = original(self, ids, gamma, limit, generator_at)
+        runs.append((len(proposal), min(gamma, limit)))
+        return proposal
+
+    monkeypatch.setattr(ModelDrafter, "propose", spy)
+    return runs
+
+
+def ended_early(runs: list[tuple[int, int]]) -> int:
+    """Runs the draft-confidence stop ended before their cap."""
+    return sum(proposed < cap for proposed, cap in runs)
+
+
+def model_draws(monkeypatch) -> list[bool]:
+    """For every token the draft model drew as a drafter: may its run go on after it (the confidence stop)?"""
+    draws, original = [], ModelDrafter.draw
+
+    def spy(self, seq, generator):
+        token, q, go_on = original(self, seq, generator)
+        draws.append(go_on)
+        return token, q, go_on
+
+    monkeypatch.setattr(ModelDrafter, "draw", spy)
+    return draws

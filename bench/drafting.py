@@ -31,12 +31,18 @@ WRONG = -1  # stands for a draft proposal after the first mismatch: never the ta
 
 class ArgmaxDraft:
     """The draft model as the drafters see it, replaced by its argmaxes on the target's greedy text: correct
-    while the sequence is a prefix of that text, WRONG after. Counts its forwards and their widths."""
+    while the sequence is a prefix of that text, WRONG after. Counts its forwards and their widths.
+
+    With `confidence` (the draft's probability of its argmax after each position) and a threshold, it ends its
+    run after a token below the threshold, as ModelDrafter does (draft_confidence_threshold). Off the text, after a
+    WRONG token, its probabilities are unknown: it goes on, so the replay errs against the stop."""
 
     name = "model"
 
-    def __init__(self, text: list[int], argmax: list[int]):
+    def __init__(self, text: list[int], argmax: list[int], confidence: list[float] | None = None,
+                 threshold: float = 0.0):
         self.text, self.argmax = text, argmax  # argmax[i]: the draft's next token after text[:i + 1]
+        self.confidence, self.threshold = confidence, threshold
         self.length = 0  # tokens in its (simulated) cache
         self.widths: list[int] = []
 
@@ -44,16 +50,21 @@ class ArgmaxDraft:
         self.widths.append(len(seq) - self.length)
         self.length = len(seq)
         n = len(seq)
-        return (self.argmax[n - 1] if seq == self.text[:n] else WRONG), None, True
+        if seq != self.text[:n]:
+            return WRONG, None, True
+        go_on = not self.threshold or self.confidence[n - 1] >= self.threshold
+        return self.argmax[n - 1], None, go_on
 
     def propose(self, ids, gamma, limit, generator_at=None):
         from specdec.drafters import Proposal
 
         proposal, seq = Proposal(), list(ids)
         for _ in range(min(gamma, limit)):
-            token, _, _ = self.draw(seq)
+            token, _, go_on = self.draw(seq)
             proposal.add(token, None, "model")
             seq.append(token)
+            if not go_on:
+                break
         return proposal
 
     def rollback(self, length: int) -> None:
@@ -61,10 +72,10 @@ class ArgmaxDraft:
 
 
 def simulate(kind: str, prompt_len: int, text: list[int], argmax: list[int], gamma: int,
-             settings: LookupSettings) -> dict:
+             settings: LookupSettings, confidence: list[float] | None = None, threshold: float = 0.0) -> dict:
     """The fixed-gamma loop's rounds on one prompt: (width, committed, proposed, accepted, drafter) per round and
     the draft forwards' widths."""
-    draft = ArgmaxDraft(text, argmax)
+    draft = ArgmaxDraft(text, argmax, confidence, threshold)
     if kind == "model":
         drafter = draft
     else:
@@ -97,35 +108,49 @@ def cost(sim: dict, target_ms: dict[int, float], draft_ms: dict[int, float]) -> 
     return sum(at(target_ms, r[0]) for r in sim["rounds"]) + sum(at(draft_ms, w) for w in sim["draft_widths"])
 
 
-def configurations(max_gamma: int = 6):
-    """(name, kind, gamma, LookupSettings) of the grid."""
+CONFIDENCE_THRESHOLDS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def configurations(max_gamma: int = 6, confidence: bool = False):
+    """(name, kind, gamma, LookupSettings, draft confidence threshold) of the grid; the confidence stop's
+    configurations where the texts carry the draft's confidence."""
     for gamma in range(2, max_gamma + 1):
-        yield f"model g{gamma}", "model", gamma, LookupSettings()
+        yield f"model g{gamma}", "model", gamma, LookupSettings(), 0.0
+    if confidence:
+        for gamma, threshold in itertools.product((4, 5, 6, 8), CONFIDENCE_THRESHOLDS):
+            yield f"model g{gamma} c{threshold}", "model", gamma, LookupSettings(), threshold
+        for threshold in CONFIDENCE_THRESHOLDS:
+            yield f"hybrid g4 h4 c{threshold}", "hybrid", 4, LookupSettings(), threshold
     for max_ngram, max_tokens, min_match in itertools.product((1, 2, 3, 4, 5, 6, 8), (4, 6, 8, 10, 12, 16), (1, 2, 3)):
         if min_match <= max_ngram:
             yield (f"lookup n{max_ngram} k{max_tokens} m{min_match}", "lookup", 4,
                    LookupSettings(max_ngram=max_ngram, max_tokens=max_tokens, min_match=min_match,
-                                  hybrid_min_match=min_match))
+                                  hybrid_min_match=min_match), 0.0)
     for max_ngram, max_tokens, hybrid_min_match, extend in itertools.product((2, 3, 4, 6, 8), (6, 8, 10, 12, 16),
                                                                             (1, 2, 3, 4, 5, 6, 8), (False, True)):
         if hybrid_min_match <= max_ngram:
             yield (f"hybrid g4 n{max_ngram} k{max_tokens} h{hybrid_min_match}{' extend' if extend else ''}",
                    "hybrid", 4, LookupSettings(max_ngram=max_ngram, max_tokens=max_tokens,
-                                               hybrid_min_match=hybrid_min_match, extend=extend))
+                                               hybrid_min_match=hybrid_min_match, extend=extend), 0.0)
+
+
+def draft_outputs(decoder, text: list[int]) -> dict:
+    """The draft's argmax after every position of the text, and its probability (softmax of the logits)."""
+    with torch.inference_mode():
+        logits = decoder.draft_model(input_ids=torch.tensor([text])).logits[0][:, : decoder.vocab_size].float()
+    confidence, argmax = logits.softmax(-1).max(-1)
+    return {"argmax": argmax.tolist(), "confidence": [round(p, 5) for p in confidence.tolist()]}
 
 
 def greedy_texts(decoder, tokenizer, prompts: list[dict], max_new_tokens: int) -> list[dict]:
     """Each prompt's token ids and the target's greedy continuation (made with the hybrid drafter: the same
-    tokens, faster), and the draft's argmax after every position of that text."""
+    tokens, faster), and the draft's argmax after every position of that text, with its probability."""
     out = []
     for item in prompts:
         ids = encode(tokenizer, item)
         result = decoder.generate(ids, max_new_tokens=max_new_tokens, temperature=0, drafter="hybrid")
         text = ids + result.token_ids
-        with torch.inference_mode():
-            logits = decoder.draft_model(input_ids=torch.tensor([text])).logits[0]
-        argmax = logits[:, : decoder.vocab_size].argmax(-1).tolist()
-        out.append({"id": item["id"], "prompt_len": len(ids), "text": text, "argmax": argmax})
+        out.append({"id": item["id"], "prompt_len": len(ids), "text": text, **draft_outputs(decoder, text)})
         print(f"  {item['id']}: {len(ids)} + {len(result.token_ids)} tokens", file=sys.stderr)
     return out
 
@@ -148,7 +173,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     widths = list(range(1, args.widths + 1))
-    if not (args.costs and args.texts):  # the models are needed to measure costs or to make the texts
+    reused = json.loads(Path(args.texts).read_text()) if args.texts else None
+    # texts of an earlier version carry no draft confidence: the draft model gives it (and its argmax again)
+    redraft = reused is not None and any("confidence" not in t for items in reused["texts"].values() for t in items)
+    if not (args.costs and args.texts) or redraft:  # the models are needed for costs, texts or confidence
         draft, target, tokenizer = load_pair(args.draft, args.target)
         decoder = SpeculativeDecoder(draft, target, tokenizer)
         device = target.get_input_embeddings().weight.device
@@ -164,9 +192,17 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "costs.json").write_text(json.dumps({"target_ms": target_ms, "draft_ms": draft_ms}) + "\n")
     texts_from = None  # how the texts were made, where a reused file says
-    if args.texts:
-        reused = json.loads(Path(args.texts).read_text())
+    if reused is not None:
         texts, texts_from = reused["texts"], reused.get("texts_from")
+        if redraft:
+            print("the draft's argmax and confidence on the reused texts", file=sys.stderr)
+            for items in texts.values():
+                for t in items:
+                    t.update(draft_outputs(decoder, t["text"]))
+            texts_from = (texts_from or []) + [f"argmax and confidence from the draft model again "
+                                               f"({time.strftime('%Y-%m-%d')})"]
+            (out / "texts.json").write_text(json.dumps({"texts": texts, "texts_from": texts_from}) + "\n",
+                                            encoding="utf-8")
     else:
         texts = {}
         for name, path in (("grounded", GROUNDED_PROMPTS), ("default", DEFAULT_PROMPTS)):
@@ -177,10 +213,13 @@ def main(argv=None) -> int:
         (out / "texts.json").write_text(json.dumps({"texts": texts}) + "\n", encoding="utf-8")
 
     rows = []
-    for name, kind, gamma, settings in configurations():
-        row = {"config": name, "kind": kind, "gamma": gamma, "settings": settings.__dict__}
+    confidence = all("confidence" in t for items in texts.values() for t in items)
+    for name, kind, gamma, settings, threshold in configurations(confidence=confidence):
+        row = {"config": name, "kind": kind, "gamma": gamma, "settings": settings.__dict__,
+               "draft_confidence_threshold": threshold}
         for set_name, items in texts.items():
-            sims = [simulate(kind, t["prompt_len"], t["text"], t["argmax"], gamma, settings) for t in items]
+            sims = [simulate(kind, t["prompt_len"], t["text"], t["argmax"], gamma, settings, t.get("confidence"),
+                             threshold) for t in items]
             new = sum(len(t["text"]) - t["prompt_len"] for t in items)
             forwards = sum(len(s["rounds"]) for s in sims)
             baseline = new * target_ms[1]

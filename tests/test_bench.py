@@ -349,3 +349,21 @@ def test_attention_benchmark_compares_both_ways_on_tiny_pair(tiny_pair_dirs, cap
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
     assert len(table) == 2 and all(float(line.split("|")[4]) > 0 for line in table)
     assert attention.is_causal_mask is recognise  # the comparison's switch is undone
+
+
+def test_drafting_replay_ends_a_run_where_the_draft_is_unsure():
+    """bench.drafting's replay of the confidence stop: the draft is right everywhere here but unsure of the token
+    after [1, 2, 3], so at threshold 0.5 the first round proposes 3, 4 and stops (width 3), where gamma 4 alone
+    would propose 3, 4, 5, 6."""
+    from bench import drafting
+    from specdec.drafters import LookupSettings
+
+    text = [1, 2, 3, 4, 5, 6, 7, 8]
+    argmax = text[1:] + [0]  # the draft's next token after text[:i + 1]: always the text's
+    confidence = [0.9, 0.9, 0.2, 0.9, 0.9, 0.9, 0.9, 0.9]
+    stopped = drafting.simulate("model", 2, text, argmax, 4, LookupSettings(), confidence, 0.5)
+    assert stopped["rounds"][0] == (3, 3, 2, 2, "model")
+    assert drafting.simulate("model", 2, text, argmax, 4, LookupSettings(), confidence, 0.0)["rounds"][0] == (
+        5, 5, 4, 4, "model")
+    assert [c[4] for c in drafting.configurations(confidence=True)].count(0.5) == 5  # model g4-g8, hybrid
+    assert all(c[4] == 0.0 for c in drafting.configurations(confidence=False))

@@ -2,7 +2,8 @@
 
 Needs `make models` (which `make test` runs first). Greedy speculative decoding must reproduce the target's greedy
 tokens exactly, on a code prompt and on a chat prompt through the target's chat template, and on an input-grounded
-prompt (rewriting given code) with every drafter under both verification rules.
+prompt (rewriting given code) with every drafter under both verification rules, and with the draft model's
+confidence stop.
 """
 
 import logging
@@ -102,3 +103,10 @@ def test_greedy_equals_target_greedy_for_every_drafter_and_rule(real_pair):
             logger.info("grounded %s/%s: %s", drafter, verification, {k: result.stats[k] for k in (
                 "tokens_per_target_forward", "round_share_by_drafter", "tokens_per_second")})
     assert lookup_accepted > NEW_TOKENS // 2  # the code is repeated: the lookup carried much of it
+    # the draft model ending its runs on tokens it is unsure of
+    for drafter, verification in (("model", "token"), ("hybrid", "block")):
+        result = decoder.generate(prompt, max_new_tokens=NEW_TOKENS, gamma=4, temperature=0, drafter=drafter,
+                                  verification=verification, draft_confidence_threshold=0.6)
+        assert result.token_ids == target.token_ids, (
+            f"{drafter}/{verification} with the confidence stop diverged from target greedy:\n"
+            f"{tokenizer.decode(result.token_ids)!r}\nvs\n{tokenizer.decode(target.token_ids)!r}")

@@ -7,8 +7,8 @@ extending a repetitive structure), each greedy and sampled (T=0.7, top-p 0.9).
 Our methods are named drafter-verification: `model-token` (Google speculative sampling with the draft model),
 `model-block`, `lookup-token`, `lookup-block`, `hybrid-token`, `hybrid-block`; an `-adaptive` suffix picks the
 draft length adaptively, `-deepmind` the DeepMind variant (`google`, `deepmind` and `adaptive` are the
-model-token ones) and `-c0.5` sets the draft model's confidence stop (draft_confidence_threshold) to 0.5, where
-the methods without it take SamplingParams' default; `target` and `draft` decode with one model alone. Hugging Face baselines run `generate` on
+model-token ones), `-g8` sets gamma to 8 for this method alone, and `-c0.5` the draft model's confidence stop
+(draft_confidence_threshold) to 0.5, where the methods without it take SamplingParams' default; `target` and `draft` decode with one model alone. Hugging Face baselines run `generate` on
 the models exactly as `from_pretrained` loads them: `hf_lookup` (its prompt lookup, prompt_lookup_num_tokens=10),
 `hf_assisted` (assisted generation with the draft), and on request `hf_target` and `hf_assisted_own_memory`
 (assisted generation with the library's layers on weights copied into the process's memory, as ours are).
@@ -193,11 +193,15 @@ def our_method(method: str, gamma: int) -> dict:
     if method in ("target", "draft"):
         return {"method": method}
     parts = aliases.get(method, method).split("-")
-    # a suffix c<P>: the draft model's confidence stop at P (draft_confidence_threshold)
+    # suffixes c<P>: the draft model's confidence stop at P (draft_confidence_threshold); g<N>: gamma N
     thresholds = [part[1:] for part in parts[2:] if part.startswith("c")]
+    gammas = [part[1:] for part in parts[2:] if part.startswith("g") and part[1:].isdigit()]
     if len(parts) < 2 or parts[0] not in DRAFTERS or parts[1] not in VERIFICATIONS or len(thresholds) > 1 \
-            or not set(parts[2:]) - {f"c{t}" for t in thresholds} <= {"adaptive", "deepmind"}:
+            or len(gammas) > 1 or not set(parts[2:]) - {f"c{t}" for t in thresholds} - {f"g{g}" for g in gammas} \
+            <= {"adaptive", "deepmind"} or (gammas and "adaptive" in parts[2:]):
         raise ValueError(f"unknown method {method!r}")
+    if gammas:
+        gamma = int(gammas[0])
     keywords = {"method": "deepmind" if "deepmind" in parts[2:] else "google", "drafter": parts[0],
                 "verification": parts[1], "gamma": None if "adaptive" in parts[2:] else gamma}
     if thresholds:

@@ -36,8 +36,10 @@ def test_method_names_map_to_drafter_rule_and_variant():
     assert bench.our_method("model-block-adaptive-c0", 4) == {
         "method": "google", "drafter": "model", "verification": "block", "gamma": None,
         "draft_confidence_threshold": 0.0}
+    assert bench.our_method("model-token-g8-c0.6", 4)["gamma"] == 8
+    assert bench.our_method("model-token-g8-c0.6", 4)["draft_confidence_threshold"] == 0.6
     for bad in ("ngram-token", "model-token-c", "model-token-c1.5", "model-token-cx", "model-token-c0.2-c0.3",
-                "model-token-fast"):
+                "model-token-fast", "model-token-g8-g6", "model-token-g", "model-token-adaptive-g8"):
         with pytest.raises(ValueError):
             bench.our_method(bad, 4)
 

@@ -144,15 +144,41 @@ class LookupDrafter:
         self.min_match = settings.min_match if min_match is None else min_match
         self.index = NgramIndex(settings.max_ngram)
         self.ids: list[int] = []
+        # n-grams that end where this round's proposals gave a token its next one (not committed, so not in
+        # `index`): n-gram -> the last position it ended at in round_seq, the committed tokens and the round's
+        # proposals so far; positions before round_indexed are done
+        self.round_last: dict[tuple[int, ...], int] = {}
+        self.round_seq: list[int] = []
+        self.round_indexed = 0
         # one-hot rows, allocated once per request and reset entry by entry: a fresh (k, V) tensor each round
         # would cost milliseconds in page faults alone at V = 151,936
         self._one_hots: torch.Tensor | None = None
         self._set: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, tokens) of the entries now 1
 
     def next_token(self, seq: list[int]) -> int | None:
-        """The lookup's proposal after seq (the committed tokens, then this round's proposals), or None."""
-        found = self.index.match(seq, self.min_match)
-        return None if found is None else self.ids[found[0] + 1]
+        """The lookup's proposal after seq (the committed tokens, then this round's proposals), or None.
+
+        The most recent occurrence counts, among the committed tokens and this round's proposals alike, so the
+        answer depends on the sequence alone, not on which of its tokens a round boundary left uncommitted."""
+        self._index_round(seq)
+        for n in range(min(self.settings.max_ngram, len(seq)), self.min_match - 1, -1):
+            gram = tuple(seq[-n:])
+            position = self.round_last.get(gram)
+            if position is None:
+                position = self.index.last.get(gram)
+            if position is not None:
+                return self.round_seq[position + 1]
+        return None
+
+    def _index_round(self, seq: list[int]) -> None:
+        """Index the n-grams ending at the positions that this round's proposals gave a next token, from the last
+        committed token's on (those before it are in `index`). seq: the committed tokens, then the round's
+        proposals so far; it only grows within a round."""
+        self.round_seq = seq
+        for position in range(self.round_indexed, len(seq) - 1):
+            for n in range(1, min(self.settings.max_ngram, position + 1) + 1):
+                self.round_last[tuple(seq[position - n + 1: position + 1])] = position
+        self.round_indexed = max(self.round_indexed, len(seq) - 1)
 
     def one_hots(self, tokens: list[int]) -> torch.Tensor:
         """(len(tokens), V): row i is 1 at tokens[i], 0 elsewhere. Valid until the next round starts."""
@@ -169,22 +195,24 @@ class LookupDrafter:
             self._set = None
 
     def start(self, ids: list[int]) -> None:
-        """Index the committed sequence (only what was committed since the last round)."""
+        """Index the committed sequence (only what was committed since the last round); a new round."""
         self.ids = ids
         self.index.update(ids)
+        self.round_last.clear()
+        self.round_seq = ids
+        self.round_indexed = max(len(ids) - 1, 0)
 
     def propose(self, ids: list[int], gamma: int, limit: int, generator_at=None) -> Proposal:
         """Up to min(max_tokens, limit) tokens, each continuing the match as extended by the ones before it;
         none if the sequence's suffix has no earlier occurrence. gamma (the draft model's length) is unused."""
         self.start(ids)
-        tail = self.settings.max_ngram
-        seq = ids[-tail:]  # matching reads the last max_ngram tokens only
+        seq = list(ids)
         for _ in range(min(self.settings.max_tokens, limit)):
             token = self.next_token(seq)
             if token is None:
                 break
             seq.append(token)
-        tokens = seq[min(tail, len(ids)):]
+        tokens = seq[len(ids):]
         if not tokens:
             return Proposal()
         stacked = self.one_hots(tokens)
@@ -199,7 +227,7 @@ class HybridDrafter:
 
     A round is served by the drafter of its first position and ends where the other one would take over, unless
     `extend` lets them mix (the lookup continuing where the draft model's tokens found a match, and the draft
-    model again where that match ends); each drafter's cap (gamma for the model, max_tokens for the lookup) ends
+    model again where that match ends, if it does before the lookup's cap); each drafter's cap (gamma for the model, max_tokens for the lookup) ends
     the round, and so does a token the draft model was unsure of. A round the lookup starts always runs to its cap or the limit: its proposals copy earlier text,
     whose n-grams all have a known next token, so mixing starts with the draft model.
     """

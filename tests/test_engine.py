@@ -353,6 +353,23 @@ def test_lookup_proposes_the_continuation_of_the_match_with_one_hot_distribution
     assert strict.propose([1, 2, 3, 1, 2], gamma=1, limit=3).tokens == [3, 1, 2]
 
 
+def test_lookup_answers_from_the_sequence_alone_wherever_the_round_began():
+    """Within a round the lookup also matches the round's own proposals, as it would once they were committed: for
+    random sequences, its next token after ids[:m] is the same whether the round began at k <= m or at m."""
+    rng = random.Random(3)
+    for _ in range(200):
+        ids = [rng.randrange(4) for _ in range(rng.randint(2, 30))]
+        n = rng.randint(1, 4)
+        settings = LookupSettings(max_ngram=n, hybrid_min_match=1, min_match=rng.randint(1, n))
+        k = rng.randint(1, len(ids))
+        in_round = LookupDrafter(4, settings)
+        in_round.start(ids[:k])
+        for m in range(k, len(ids) + 1):
+            fresh = LookupDrafter(4, settings)
+            fresh.start(ids[:m])
+            assert in_round.next_token(ids[:m]) == fresh.next_token(ids[:m]), (ids, k, m)
+
+
 def test_a_lookup_run_once_started_runs_to_its_cap():
     """Its proposals copy earlier text, whose n-grams all have a known next token: a lookup proposal is empty or
     as long as max_tokens and the limit allow (why mixed hybrid rounds start with the draft model)."""
@@ -393,10 +410,10 @@ def test_hybrid_hands_over_within_a_round_only_with_extend(extend):
     if not extend:  # the round ends where the lookup would take over
         assert proposal.tokens == [5] and proposal.drafters == ["model"]
         return
-    # ... the lookup copies 6, 1, 2, 3, 7 up to the end of the committed text, where (3, 7) and (7) have no
-    # known next token: the draft model takes over again, until its gamma of 3 ends the round
-    assert proposal.tokens == [5, 6, 1, 2, 3, 7, 11, 12]
-    assert proposal.drafters == ["model"] + ["lookup"] * 5 + ["model"] * 2
+    # ... the lookup copies 6, 1, 2, 3, 7 up to the end of the committed text, and goes on: (3, 7) last occurred
+    # there, followed by this round's first proposal, 5; its cap of 6 tokens ends the round
+    assert proposal.tokens == [5, 6, 1, 2, 3, 7, 5]
+    assert proposal.drafters == ["model"] + ["lookup"] * 6
     for token, q in zip(proposal.tokens, proposal.probs):
         assert q.shape == (16,) and q[token] == 1 and q.sum() == 1
     assert torch.equal(proposal.draft_probs(), torch.stack(proposal.probs))
@@ -524,6 +541,27 @@ def test_adaptive_gamma_with_lookup_is_reproducible_whatever_lengths_it_chooses(
     assert len({tuple(run.token_ids) for run in runs}) == 1
     assert len({run.stats.target_forwards for run in runs}) > 1  # the rounds did differ
     assert all(run.stats.accepted_by_drafter.get("lookup", 0) > 0 for run in runs)
+
+
+@pytest.mark.parametrize("drafter", ["model", "hybrid"])
+def test_adaptive_gamma_with_the_confidence_stop_is_reproducible_whatever_lengths_it_chooses(monkeypatch, drafter):
+    """Where the draft model's run ends on an unsure token depends on the sequence and that position's draw only,
+    and adaptive gamma's rounds have no bonus token, so the stop leaves the completion as the schedule does: the
+    same whatever lengths are chosen, and the same as without the stop."""
+    target = make_model("llama", seed=0, initializer_range=0.1)
+    draft = perturbed_copy(target, noise=0.05)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1]
+    runs, stopped = [], model_runs(monkeypatch)
+    for lengths, threshold in (([1], 0.0), ([6], 0.05), ([2, 5, 1, 3], 0.05), ([7], 0.0)):
+        schedule = iter(lengths * 100)
+        monkeypatch.setattr("specdec.engine.AdaptiveGamma.choose", lambda self: next(schedule))
+        decoder = SpeculativeDecoder(draft, target, lookup=LookupSettings(max_ngram=3, hybrid_min_match=2))
+        runs.append(decoder.generate(prompt, max_new_tokens=30, gamma=None, temperature=0.3, seed=11,
+                                     drafter=drafter, draft_confidence_threshold=threshold))
+    assert len({tuple(run.token_ids) for run in runs}) == 1
+    assert len({run.stats.target_forwards for run in runs}) > 1  # the rounds did differ
+    if drafter == "model":
+        assert ended_early(stopped) > 0
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)

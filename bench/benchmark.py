@@ -8,9 +8,10 @@ Our methods are named drafter-verification: `model-token` (Google speculative sa
 `model-block`, `lookup-token`, `lookup-block`, `hybrid-token`, `hybrid-block`; an `-adaptive` suffix picks the
 draft length adaptively, `-deepmind` the DeepMind variant (`google`, `deepmind` and `adaptive` are the
 model-token ones), `-g8` sets gamma to 8 for this method alone, and `-c0.5` the draft model's confidence stop
-(draft_confidence_threshold) to 0.5, where the methods without it take SamplingParams' default; `target` and `draft` decode with one model alone. Hugging Face baselines run `generate` on
-the models exactly as `from_pretrained` loads them: `hf_lookup` (its prompt lookup, prompt_lookup_num_tokens=10),
-`hf_assisted` (assisted generation with the draft), and on request `hf_target` and `hf_assisted_own_memory`
+(draft_confidence_threshold) to 0.5, where the methods without it take SamplingParams' default; `target` and
+`draft` decode with one model alone. Hugging Face baselines run `generate` on the models exactly as
+`from_pretrained` loads them: `hf_lookup` (its prompt lookup, prompt_lookup_num_tokens=10), `hf_assisted`
+(assisted generation with the draft), and on request `hf_target` and `hf_assisted_own_memory`
 (assisted generation with the library's layers on weights copied into the process's memory, as ours are).
 For every speculative run, the blocks it drafted are also scored under both verification rules
 (EXPECTED_ACCEPTED): block verification's gain in accepted tokens per round on the same proposals.

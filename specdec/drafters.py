@@ -13,9 +13,10 @@ was drawn from, and the engine verifies the Proposal the same way whoever made i
 
 What proposes at each position depends only on the sequence before it (the committed tokens and this round's
 proposals before it), never on random draws or on where the round began: a proposed token continues the match
-of the sequence as extended by the proposals before it, and a drafter's cap (or the draft model's unsure token)
-ends the round rather than handing the position to the other drafter. With adaptive gamma's per-position draws, the output then does not depend on
-the round lengths chosen, as with the draft model alone.
+of the sequence as extended by the proposals before it (the lookup indexes the round's own proposals as they are
+made), and a drafter's cap (or the draft model's unsure token) ends the round rather than handing the position to
+the other drafter. With adaptive gamma's per-position draws, the output then does not depend on the round lengths
+chosen, as with the draft model alone.
 """
 
 from collections.abc import Callable
@@ -227,9 +228,10 @@ class HybridDrafter:
 
     A round is served by the drafter of its first position and ends where the other one would take over, unless
     `extend` lets them mix (the lookup continuing where the draft model's tokens found a match, and the draft
-    model again where that match ends, if it does before the lookup's cap); each drafter's cap (gamma for the model, max_tokens for the lookup) ends
-    the round, and so does a token the draft model was unsure of. A round the lookup starts always runs to its cap or the limit: its proposals copy earlier text,
-    whose n-grams all have a known next token, so mixing starts with the draft model.
+    model again where that match ends, if it does before the lookup's cap); each drafter's cap (gamma for the
+    model, max_tokens for the lookup) ends the round, and so does a token the draft model was unsure of. A round
+    the lookup starts always runs to its cap or the limit: its proposals copy earlier text, whose n-grams all have
+    a known next token, so mixing starts with the draft model.
     """
 
     name = "hybrid"

@@ -451,7 +451,8 @@ def test_draft_model_ends_its_run_after_a_token_it_is_unsure_of():
         probs[0, forward.calls] = p  # the argmax is token 1, 2, 3, ... in turn
         return probs.log()
 
-    for threshold, expected in ((0.0, [1, 2, 3, 4]), (0.5, [1, 2, 3]), (0.85, [1, 2]), (0.95, [1]), (0.29, [1, 2, 3, 4])):
+    for threshold, expected in ((0.0, [1, 2, 3, 4]), (0.5, [1, 2, 3]), (0.85, [1, 2]), (0.95, [1]),
+                                (0.29, [1, 2, 3, 4])):
         forward.calls = 0
         drafter = ModelDrafter(types.SimpleNamespace(length=0), lambda logits: logits_to_probs(logits, 0), forward,
                                confidence_threshold=threshold)

@@ -366,7 +366,8 @@ class SpeculativeDecodingStats(BaseModel):
         if stats is None:
             return None
         return cls(method=stats.method, gamma=stats.gamma, drafter=stats.drafter, verification=stats.verification,
-                   draft_confidence_threshold=stats.draft_confidence_threshold, seed=stats.seed, num_draft_tokens=stats.proposed,
+                   draft_confidence_threshold=stats.draft_confidence_threshold, seed=stats.seed,
+                   num_draft_tokens=stats.proposed,
                    num_accepted_tokens=stats.accepted, draft_acceptance_rate=stats.acceptance_rate,
                    mean_acceptance_length=stats.tokens_per_target_forward,
                    num_accepted_tokens_per_pos=list(stats.accepted_per_position))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from specdec.sampling import logits_to_probs, sample, top_p_removed, warp_logits
+from specdec.sampling import logits_to_probs, sample, token_probability, top_p_removed, warp_logits
 
 
 def hf_probs(logits, temperature, top_k, top_p):
@@ -67,3 +67,11 @@ def test_sample_is_reproducible_with_seed_zero():
     g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
     assert [sample(probs, g1) for _ in range(20)] == [sample(probs, g2) for _ in range(20)]
     assert first
+
+
+def test_token_probability_is_the_unwarped_softmax_entry():
+    logits = torch.randn(151_936, generator=torch.Generator().manual_seed(0)) * 4
+    probs = logits.double().softmax(-1)
+    for token in (0, int(probs.argmax()), 151_935):
+        assert token_probability(logits, token) == pytest.approx(float(probs[token]), rel=1e-4)
+    assert token_probability(torch.tensor([0.0, 0.0, float("-inf")]), 2) == 0.0

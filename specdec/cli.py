@@ -272,7 +272,8 @@ def run(args, out=None) -> int:
     if args.verbose:
         print(f"prompt: {len(prompt)} tokens, seed {seed}, gamma {'auto' if args.gamma is None else args.gamma}, "
               f"temperature {args.temperature}, top_k {args.top_k}, top_p {args.top_p}, drafter {args.drafter}, "
-              f"verification {args.verification}", file=out)
+              f"verification {args.verification}, draft confidence threshold {args.draft_confidence_threshold:g}",
+              file=out)
         print(legend(SOURCE_STYLES, color), file=out)
     for label, method, drafter in runs:
         result = decoder.generate(prompt, params=sampling_params(args, method, seed, drafter))

@@ -29,6 +29,9 @@ from .params import LookupSettings
 from .sampling import sample, token_probability
 
 SOURCES = {"model": "draft", "lookup": "lookup"}  # drafter -> the source label of its accepted tokens
+# NgramIndex.update slices n-grams one by one for at most this many new positions (a round's), and by zipped
+# slices for more (a prompt): each is the faster one there
+SMALL_UPDATE = 16
 
 
 @dataclass
@@ -62,28 +65,37 @@ class NgramIndex:
     """n-gram -> the last position it ended at with a known next token, for n = 1..max_ngram, over a sequence
     that only grows (the committed tokens): each round indexes only the positions that gained a next token."""
 
-    def __init__(self, max_ngram: int):
+    def __init__(self, max_ngram: int, indexed: int = 0):
         self.max_ngram = max_ngram
         self.last: dict[tuple[int, ...], int] = {}
-        self.indexed = 0  # n-grams ending before this position are in `last`
+        self.indexed = indexed  # n-grams ending before this position are in `last` (or not wanted there)
 
     def update(self, ids: list[int]) -> None:
         """Index the n-grams ending at positions indexed .. len(ids) - 2 (each now has its next token)."""
         end = len(ids) - 1
         if end <= self.indexed:
             return
-        for n in range(1, self.max_ngram + 1):
-            first = max(self.indexed, n - 1)
-            # the n-grams ending at first .. end - 1 as tuples, in order, so the latest position wins
-            grams = zip(*(ids[first - n + 1 + j: end - n + 1 + j] for j in range(n)))
-            self.last.update(zip(grams, range(first, end)))
+        if end - self.indexed <= SMALL_UPDATE:  # a round's few tokens: slice each n-gram, in order
+            for position in range(self.indexed, end):
+                for n in range(1, min(self.max_ngram, position + 1) + 1):
+                    self.last[tuple(ids[position - n + 1: position + 1])] = position
+        else:
+            for n in range(1, self.max_ngram + 1):
+                first = max(self.indexed, n - 1)
+                # the n-grams ending at first .. end - 1 as tuples, in order, so the latest position wins
+                grams = zip(*(ids[first - n + 1 + j: end - n + 1 + j] for j in range(n)))
+                self.last.update(zip(grams, range(first, end)))
         self.indexed = end
 
-    def match(self, seq: list[int], min_n: int = 1) -> tuple[int, int] | None:
+    def match(self, seq: list[int], min_n: int = 1, later: "NgramIndex | None" = None) -> tuple[int, int] | None:
         """(position, n) of the most recent indexed occurrence of seq's longest suffix with min_n <= n <=
-        max_ngram; None if there is none. The token after it, ids[position + 1], is the lookup's proposal."""
+        max_ngram; None if there is none. The token after it, ids[position + 1], is the lookup's proposal.
+        `later`: an index of positions after all of this one's, looked up first at each n."""
         for n in range(min(self.max_ngram, len(seq)), min_n - 1, -1):
-            position = self.last.get(tuple(seq[-n:]))
+            gram = tuple(seq[-n:])
+            position = later.last.get(gram) if later is not None else None
+            if position is None:
+                position = self.last.get(gram)
             if position is not None:
                 return position, n
         return None
@@ -143,14 +155,11 @@ class LookupDrafter:
         self.vocab_size = vocab_size
         self.settings = settings
         self.min_match = settings.min_match if min_match is None else min_match
-        self.index = NgramIndex(settings.max_ngram)
+        self.index = NgramIndex(settings.max_ngram)  # the committed tokens
         self.ids: list[int] = []
-        # n-grams that end where this round's proposals gave a token its next one (not committed, so not in
-        # `index`): n-gram -> the last position it ended at in round_seq, the committed tokens and the round's
-        # proposals so far; positions before round_indexed are done
-        self.round_last: dict[tuple[int, ...], int] = {}
-        self.round_seq: list[int] = []
-        self.round_indexed = 0
+        # the n-grams that end where this round's proposals gave a token its next one (from the last committed
+        # token's on): not committed, so not in `index`
+        self.round = NgramIndex(settings.max_ngram)
         # one-hot rows, allocated once per request and reset entry by entry: a fresh (k, V) tensor each round
         # would cost milliseconds in page faults alone at V = 151,936
         self._one_hots: torch.Tensor | None = None
@@ -161,25 +170,9 @@ class LookupDrafter:
 
         The most recent occurrence counts, among the committed tokens and this round's proposals alike, so the
         answer depends on the sequence alone, not on which of its tokens a round boundary left uncommitted."""
-        self._index_round(seq)
-        for n in range(min(self.settings.max_ngram, len(seq)), self.min_match - 1, -1):
-            gram = tuple(seq[-n:])
-            position = self.round_last.get(gram)
-            if position is None:
-                position = self.index.last.get(gram)
-            if position is not None:
-                return self.round_seq[position + 1]
-        return None
-
-    def _index_round(self, seq: list[int]) -> None:
-        """Index the n-grams ending at the positions that this round's proposals gave a next token, from the last
-        committed token's on (those before it are in `index`). seq: the committed tokens, then the round's
-        proposals so far; it only grows within a round."""
-        self.round_seq = seq
-        for position in range(self.round_indexed, len(seq) - 1):
-            for n in range(1, min(self.settings.max_ngram, position + 1) + 1):
-                self.round_last[tuple(seq[position - n + 1: position + 1])] = position
-        self.round_indexed = max(self.round_indexed, len(seq) - 1)
+        self.round.update(seq)  # seq only grows within a round
+        found = self.index.match(seq, self.min_match, later=self.round)
+        return None if found is None else seq[found[0] + 1]
 
     def one_hots(self, tokens: list[int]) -> torch.Tensor:
         """(len(tokens), V): row i is 1 at tokens[i], 0 elsewhere. Valid until the next round starts."""
@@ -199,9 +192,7 @@ class LookupDrafter:
         """Index the committed sequence (only what was committed since the last round); a new round."""
         self.ids = ids
         self.index.update(ids)
-        self.round_last.clear()
-        self.round_seq = ids
-        self.round_indexed = max(len(ids) - 1, 0)
+        self.round = NgramIndex(self.settings.max_ngram, indexed=max(len(ids) - 1, 0))
 
     def propose(self, ids: list[int], gamma: int, limit: int, generator_at=None) -> Proposal:
         """Up to min(max_tokens, limit) tokens, each continuing the match as extended by the ones before it;

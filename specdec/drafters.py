@@ -156,7 +156,6 @@ class LookupDrafter:
         self.settings = settings
         self.min_match = settings.min_match if min_match is None else min_match
         self.index = NgramIndex(settings.max_ngram)  # the committed tokens
-        self.ids: list[int] = []
         # the n-grams that end where this round's proposals gave a token its next one (from the last committed
         # token's on): not committed, so not in `index`
         self.round = NgramIndex(settings.max_ngram)
@@ -190,7 +189,6 @@ class LookupDrafter:
 
     def start(self, ids: list[int]) -> None:
         """Index the committed sequence (only what was committed since the last round); a new round."""
-        self.ids = ids
         self.index.update(ids)
         self.round = NgramIndex(self.settings.max_ngram, indexed=max(len(ids) - 1, 0))
 

@@ -714,11 +714,6 @@ def measure(args, methods: list[str], modes: list[str],
     """Run the plan; (runs, the verification cost by width, {set: number of prompts}, `measured_models`)."""
     sweep_gammas = [int(g) for g in args.sweep_gammas.split(",") if g]
     prompts = {name: load_prompts(path, args.limit) for name, path in sets.items()}
-    draft, target, tokenizer = load_pair(args.draft, args.target, device=args.device, dtype=args.dtype,
-                                         cpu_kernels=False, draft_quantization="none")  # stock, for HF
-    encoded = {name: [encode(tokenizer, item) for item in items] for name, items in prompts.items()}
-    verify_width = max([args.gamma] + sweep_gammas + [HF_PROMPT_LOOKUP_TOKENS, 10]) + 1
-    cost = {"stock": verification_cost(target, verify_width)}
     # prompt-major: every method, Hugging Face's included, runs on a prompt before the next prompt, so a shared
     # machine's drift in speed lands on all methods alike instead of on whichever ran last
     plan = [(name, mode, method, i, rep, None) for name in prompts for mode in modes
@@ -726,12 +721,27 @@ def measure(args, methods: list[str], modes: list[str],
     plan += [(name, "greedy", "model-token", i, 0, g) for name in prompts
              for i in range(min(args.sweep_prompts, len(prompts[name]))) for g in sweep_gammas if "greedy" in modes]
     planned = {step[2] for step in plan}
+    verify_width = max([args.gamma] + sweep_gammas + [HF_PROMPT_LOOKUP_TOKENS, 10]) + 1
     decoder = None
-    if planned - {"hf_target", "hf_assisted", "hf_lookup"}:
-        decoder = SpeculativeDecoder(ours_draft(draft, args.draft_quantization), ours_target(target), tokenizer,
-                                     lookup=args.lookup)
-        if decoder.target_model is not target:
-            cost["ours"] = verification_cost(decoder.target_model, verify_width)
+    if planned & set(HF_ALL):
+        # the stock pair for Hugging Face's baselines, and copies of it for ours
+        draft, target, tokenizer = load_pair(args.draft, args.target, device=args.device, dtype=args.dtype,
+                                             cpu_kernels=False, draft_quantization="none")
+        cost = {"stock": verification_cost(target, verify_width)}
+        if planned - set(HF_ALL):
+            decoder = SpeculativeDecoder(ours_draft(draft, args.draft_quantization), ours_target(target),
+                                         tokenizer, lookup=args.lookup)
+            if decoder.target_model is not target:
+                cost["ours"] = verification_cost(decoder.target_model, verify_width)
+    else:  # ours alone: the pair as load_pair gives it to the service, with no stock pair held beside it
+        draft, target, tokenizer = load_pair(args.draft, args.target, device=args.device, dtype=args.dtype,
+                                             draft_quantization=args.draft_quantization)
+        decoder = SpeculativeDecoder(draft, target, tokenizer, lookup=args.lookup)
+        with stock_layers(target) as stock:
+            cost = {"stock": verification_cost(stock, verify_width)}
+        if input_device(target).type == "cpu":
+            cost["ours"] = verification_cost(target, verify_width)
+    encoded = {name: [encode(tokenizer, item) for item in items] for name, items in prompts.items()}
     # HF on weights in the process's memory: our target's copy with stock layers, and a float copy of the draft
     own_draft = copy.deepcopy(draft) if "hf_assisted_own_memory" in planned and input_device(draft).type == "cpu" \
         else draft

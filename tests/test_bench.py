@@ -148,6 +148,31 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     assert "Block verification on the same" in (again / "results.md").read_text()
 
 
+def test_benchmark_of_our_methods_alone_loads_the_pair_once_as_the_service_does(tiny_pair_dirs, tmp_path,
+                                                                                 monkeypatch):
+    draft, target = tiny_pair_dirs
+    loads = []
+
+    def recording_load_pair(*args, **kwargs):
+        loads.append(kwargs)
+        return load_pair(*args, **kwargs)
+
+    load_pair = bench.load_pair
+    monkeypatch.setattr(bench, "load_pair", recording_load_pair)
+    out = tmp_path / "results"
+    assert bench.main(["--draft", draft, "--target", target, "--limit", "2", "--max-new-tokens", "4",
+                       "--prompt-sets", "default", "--modes", "greedy", "--methods", "target,model-token",
+                       "--no-startup", "--out", str(out)]) == 0
+    # no stock pair held beside ours: one load, with the CPU kernels and the int8 draft
+    assert len(loads) == 1 and loads[0].get("cpu_kernels", True) and loads[0]["draft_quantization"] == "int8"
+    report = json.loads((out / "results.json").read_text())
+    assert report["draft_quantization"] == "int8"
+    # the verification cost by width, both with the library's layers and with ours, on the one target
+    assert set(report["verification_cost"]) == {"stock", "ours"}
+    rows = report["summary"]["default"]["greedy"]["methods"]
+    assert rows["model-token"]["same_tokens_as_target"] == {"prompts": 2, "same": 2}
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_linear_micro_benchmark_runs_on_small_shapes(dtype):
     done = subprocess.run([sys.executable, "-m", "bench.linear", "--rows", "1,5", "--repeats", "1",

@@ -318,7 +318,7 @@ class SpeculativeDecoder:
 
     def _run(self, req: "_Request", probs: "_Warper"):
         params = req.params
-        if params.speculative and params.gamma is None:
+        if params.speculative and params.gamma is None and params.temperature > 0:
             yield from self._speculate_adaptive(req, probs)
         elif params.speculative:
             yield from self._speculate(req, probs)
@@ -364,18 +364,25 @@ class SpeculativeDecoder:
         return model if kind == "model" else HybridDrafter(model, lookup, self.lookup)
 
     def _speculate(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:
-        """Google (Leviathan et al. Alg. 1) or DeepMind (Chen et al. Alg. 2) speculative sampling, fixed gamma:
-        the drafter proposes up to gamma tokens (the lookup up to its own maximum), the target scores them and
-        the bonus position in one forward (the first time, after the prompt's own prefill: `_score`), the
-        verification rule keeps a prefix and gives the next token's distribution."""
+        """Google (Leviathan et al. Alg. 1) or DeepMind (Chen et al. Alg. 2) speculative sampling: the drafter
+        proposes up to gamma tokens (the lookup up to its own maximum), the target scores them and the bonus
+        position in one forward (the first time, after the prompt's own prefill: `_score`), the verification rule
+        keeps a prefix and gives the next token's distribution.
+
+        gamma is fixed, or, for greedy decoding with gamma=None, chosen each round by adaptive gamma: greedy output
+        is the target's argmax at every position whatever lengths are chosen, so those rounds keep their bonus
+        token, which adaptive sampling gives up to stay reproducible (`_speculate_adaptive`)."""
         drafter, target = self._drafter(req, probs), CachedModel(self.target_model)
         generator = req.generator
+        adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile) \
+            if req.params.gamma is None else None
         while req.finish_reason is None:
             limit = req.budget() - 1  # never propose past max_new_tokens or the context
             before = dict(req.seconds), dict(req.forwards)
 
             # 1. the drafter proposes x_1..x_k with the distributions q_1..q_k they were drawn from
-            proposal = drafter.propose(req.ids, req.params.gamma, limit, lambda i: generator)
+            gamma = req.params.gamma if adaptive is None else adaptive.choose()
+            proposal = drafter.propose(req.ids, gamma, limit, lambda i: generator)
             k = len(proposal)
 
             # 2. the target scores all k + 1 positions in one forward: p_1 .. p_{k+1}
@@ -385,11 +392,15 @@ class SpeculativeDecoder:
             accepted, next_probs = self._verify(req, proposal, p, lambda i: generator)
             chunk = req.commit(proposal.tokens[:accepted] + [sample(next_probs, generator)],
                                self._sources(proposal, accepted, k))
+            if adaptive is not None and k and set(proposal.drafters) == {"model"}:
+                adaptive.update(k, accepted)  # alpha is the draft model's, as in `_speculate_adaptive`
             if (yield self._end_round(req, drafter, target, chunk, proposal, accepted, k + 1, before)) == "stop":
                 req.finish_reason = "stop"
 
     def _speculate_adaptive(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:
-        """Speculative sampling with the draft length chosen each round from measured costs (adaptive.py).
+        """Speculative sampling (temperature > 0) with the draft length chosen each round from measured costs
+        (adaptive.py). Greedy decoding needs none of what follows: `_speculate` chooses its lengths and keeps the
+        bonus token.
 
         The draft length depends on wall-clock timings, so the output must not depend on it: every position's
         token goes through the same steps (proposed, then accepted or resampled from the residual, or drawn by

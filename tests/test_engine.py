@@ -598,3 +598,20 @@ def test_round_observer_sees_each_verified_block(decoder):
         decoder.round_observer = None
     assert len(blocks) == result.stats.rounds - (result.stats.rounds_by_drafter.get("none", 0))
     assert all(q == p and q[0] == len(x) for x, q, p in blocks)
+
+
+def test_greedy_adaptive_gamma_keeps_the_bonus_token():
+    """Greedy output is the target's argmax whatever lengths adaptive gamma picks, so its greedy rounds end with
+    the target's bonus token, as fixed gamma's do, instead of spending a draft forward on a proposal in its
+    place (which adaptive sampling does to stay reproducible)."""
+    target = make_model("qwen2", seed=2, initializer_range=0.1)
+    decoder = SpeculativeDecoder(target, target)  # every proposal accepted: every round ends with the bonus
+    reference = decoder.generate(PROMPT, max_new_tokens=30, method="target", temperature=0).token_ids
+    for method in ("google", "deepmind"):
+        result = decoder.generate(PROMPT, max_new_tokens=30, method=method, gamma=None, temperature=0)
+        assert result.token_ids == reference
+        assert result.sources.count("bonus") == result.stats.rounds - (result.sources[-1] != "bonus")
+        # one draft forward per proposal, and one token more than proposed per round
+        assert result.stats.draft_forwards == result.stats.proposed < result.stats.new_tokens
+    sampled = decoder.generate(PROMPT, max_new_tokens=30, gamma=None, temperature=1.0, seed=3)
+    assert "bonus" not in sampled.sources  # sampling: the last proposal stands in for the bonus

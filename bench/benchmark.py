@@ -57,7 +57,8 @@ EXTRA_METHODS = ("google", "deepmind", "adaptive", "hf_target", "hf_assisted_own
 HF_ALL = ("hf_lookup", "hf_assisted", "hf_target", "hf_assisted_own_memory")
 HF_PROMPT_LOOKUP_TOKENS = 10
 MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
-         "sampling": dict(temperature=0.7, top_k=0, top_p=0.9)}
+         "sampling": dict(temperature=0.7, top_k=0, top_p=0.9),
+         "t0.7": dict(temperature=0.7, top_k=0, top_p=1.0)}  # on request: T=0.7 over the whole vocabulary
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
 GROUNDED_PROMPTS = Path(__file__).resolve().parent / "prompts_grounded.jsonl"
 PROMPT_SETS = {"default": DEFAULT_PROMPTS, "grounded": GROUNDED_PROMPTS}
@@ -592,7 +593,7 @@ def plot(report: dict, path: Path) -> None:
 
     sets = list(report["summary"])
     fig, axes = plt.subplots(1, len(sets), figsize=(7 * len(sets), 5.6), squeeze=False)
-    colours = {"greedy": "tab:blue", "sampling": "tab:orange"}
+    colours = {"greedy": "tab:blue", "sampling": "tab:orange", "t0.7": "tab:green"}
     for ax, set_name in zip(axes[0], sets):
         modes = list(report["summary"][set_name])
         methods = [m for m in dict.fromkeys(m for mode in modes for m in report["summary"][set_name][mode]["methods"])
@@ -636,6 +637,15 @@ def startup_profile(args) -> dict:
         return json.loads(out.read_text())
 
 
+def mode_list(text: str) -> list[str]:
+    """--modes: names from MODES, comma-separated."""
+    modes = [m for m in text.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise argparse.ArgumentTypeError(f"unknown mode {', '.join(unknown) or '(none)'}; use {', '.join(MODES)}")
+    return modes
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.benchmark", description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default=None, help="draft model (default: the default pair)")
@@ -646,7 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="as the service's default max_new_tokens")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--gamma", type=int, default=4)
-    parser.add_argument("--modes", default="greedy,sampling")
+    parser.add_argument("--modes", default="greedy,sampling", type=mode_list,
+                        help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--methods", default=",".join(OUR_METHODS + HF_METHODS),
                         help=f"comma-separated; also available: {', '.join(EXTRA_METHODS)}, and any of ours with "
                              "-adaptive or -deepmind")
@@ -769,7 +780,7 @@ def main(argv=None) -> int:
     for method in methods:
         if method not in HF_ALL:
             our_method(method, args.gamma)  # an unknown name fails here, before any model loads
-    modes = [m for m in args.modes.split(",") if m]
+    modes = args.modes
     settings = {name: getattr(args, name) for name in ("max_new_tokens", "repeats", "gamma")}
     if args.from_runs:
         earlier = [json.loads(Path(path).read_text(encoding="utf-8")) for path in args.from_runs.split(",")]

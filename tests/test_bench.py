@@ -54,6 +54,13 @@ def test_lookup_settings_are_read_by_name_and_checked():
             bench.lookup_settings(bad)
 
 
+def test_modes_are_checked_before_anything_loads(capsys):
+    assert bench.mode_list("greedy,t0.7") == ["greedy", "t0.7"]
+    with pytest.raises(SystemExit) as exit_:
+        bench.main(["--modes", "greedy,hot", "--no-startup"])
+    assert exit_.value.code == 2 and "unknown mode hot" in capsys.readouterr().err
+
+
 def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     draft, target = tiny_pair_dirs
     grounded = tmp_path / "grounded.jsonl"  # short enough for the tiny models' 256 positions, and repetitive

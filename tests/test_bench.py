@@ -158,13 +158,12 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
 def test_benchmark_of_our_methods_alone_loads_the_pair_once_as_the_service_does(tiny_pair_dirs, tmp_path,
                                                                                  monkeypatch):
     draft, target = tiny_pair_dirs
-    loads = []
+    loads, load_pair = [], bench.load_pair
 
     def recording_load_pair(*args, **kwargs):
         loads.append(kwargs)
         return load_pair(*args, **kwargs)
 
-    load_pair = bench.load_pair
     monkeypatch.setattr(bench, "load_pair", recording_load_pair)
     out = tmp_path / "results"
     assert bench.main(["--draft", draft, "--target", target, "--limit", "2", "--max-new-tokens", "4",

@@ -21,13 +21,12 @@ from pydantic import (
     Field,
     ValidationError,
     WithJsonSchema,
-    field_validator,
     model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
-from ..params import DRAFTERS, MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SERVED_METHODS, VERIFICATIONS, SamplingParams
+from ..params import DRAFTERS, SEED_MAX, SEED_MIN, SERVED_METHODS, VERIFICATIONS, SamplingParams
 from .config import Settings
 from .errors import ApiError
 from .protocol import (
@@ -37,7 +36,9 @@ from .protocol import (
     MAX_STOP_STRINGS,
     VERIFICATION_DESCRIPTION,
     HugeInteger,
+    Temperature,
     sampling_params,
+    temperature_field,
 )
 
 OPENAI_PREFIX = "/v1"
@@ -158,10 +159,7 @@ class _Request(BaseModel):
 
     model: str = Field(description="the served model's id, as /v1/models lists it")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
-    temperature: float | None = Field(
-        None, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False,
-        description=f"0 is greedy, otherwise at least {MIN_TEMPERATURE:g}",
-        json_schema_extra={"not": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": MIN_TEMPERATURE}})
+    temperature: Temperature = temperature_field(le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="nucleus sampling mass")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX,
                              description="the same seed and request give the same completion; default random")
@@ -189,13 +187,6 @@ class _Request(BaseModel):
     verification: Literal[VERIFICATIONS] | None = Field(None, description="extension: " + VERIFICATION_DESCRIPTION)
     draft_confidence_threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
                                                      description="extension: " + CONFIDENCE_DESCRIPTION)
-
-    @field_validator("temperature")
-    @classmethod
-    def _not_tiny(cls, value: float | None) -> float | None:
-        if value is not None and 0 < value < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
-        return value
 
     @property
     def max_tokens_field(self) -> str:

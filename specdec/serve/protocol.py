@@ -10,9 +10,9 @@ import json
 import re
 import sys
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import SpecDecError
 from ..params import DRAFTERS, MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SERVED_METHODS, VERIFICATIONS, SamplingParams
@@ -40,6 +40,24 @@ CONFIDENCE_DESCRIPTION = ("the draft model ends its run before gamma after a tok
                           "this (softmax of its logits, before temperature, top-k and top-p); 0: never")
 
 
+
+def _not_tiny(value: float | None) -> float | None:
+    if value is not None and 0 < value < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
+    return value
+
+
+# a request's temperature, on /predict and the OpenAI routes alike: unset, 0 (greedy) or at least MIN_TEMPERATURE
+Temperature = Annotated[float | None, AfterValidator(_not_tiny)]
+
+
+def temperature_field(**bounds) -> Any:
+    """The Field of a Temperature, with the gap (0, MIN_TEMPERATURE) in its JSON schema; `bounds`: more of them."""
+    return Field(None, ge=0, allow_inf_nan=False, description=f"0 is greedy, otherwise at least {MIN_TEMPERATURE:g}",
+                 json_schema_extra={"not": {"type": "number", "exclusiveMinimum": 0,
+                                            "exclusiveMaximum": MIN_TEMPERATURE}}, **bounds)
+
+
 class PredictRequest(BaseModel):
     """A /predict body as sent. null (or leaving a field out) means the configured default."""
 
@@ -49,9 +67,7 @@ class PredictRequest(BaseModel):
                         description="the text to complete; it must fit the server's prompt limit, and prompt "
                                     "plus max_new_tokens the model context")
     max_new_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
-    temperature: float | None = Field(
-        None, ge=0, allow_inf_nan=False, description=f"0 is greedy, otherwise at least {MIN_TEMPERATURE:g}",
-        json_schema_extra={"not": {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": MIN_TEMPERATURE}})
+    temperature: Temperature = temperature_field()
     # (openapi.py restates these bounds in OpenAPI 3.0's dialect)
     top_k: int | None = Field(None, ge=0, description="0 keeps every token")
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="nucleus sampling mass")
@@ -74,13 +90,6 @@ class PredictRequest(BaseModel):
     def _not_blank(cls, value: str) -> str:
         if not NOT_BLANK.search(value):
             raise ValueError("the prompt must contain more than whitespace")
-        return value
-
-    @field_validator("temperature")
-    @classmethod
-    def _not_tiny(cls, value: float | None) -> float | None:
-        if value is not None and 0 < value < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
         return value
 
 

@@ -18,6 +18,7 @@ from specdec.serve.openai_protocol import (
     ModelList,
 )
 from tests.support.models import make_app
+from tests.support.spies import fail_after_first_chunk
 
 pytestmark = [pytest.mark.usefixtures("clean_env"), pytest.mark.xdist_group("openai")]
 
@@ -202,14 +203,7 @@ def test_stream_stop_string_is_never_sent(client):
 
 
 def test_failure_mid_stream_is_an_openai_error_chunk(client, service, monkeypatch):
-    real_stream = service.decoder.stream
-
-    def failing(*args, **kwargs):
-        stream = real_stream(*args, **kwargs)
-        yield next(stream)
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(service.decoder, "stream", failing)
+    fail_after_first_chunk(monkeypatch, service.decoder)
     events = chunks(chat(client, stream=True, max_tokens=30))
     error = events[-1]["error"]
     assert error["type"] == "server_error" and error["code"] == "internal_error" and "boom" not in error["message"]

@@ -14,6 +14,7 @@ import pytest
 from specdec import SpecDecError
 from specdec.serve import create_app
 from tests.support.models import make_app
+from tests.support.spies import fail_after_first_chunk
 
 PROMPT = "Who is the president of the USA"
 
@@ -394,14 +395,7 @@ def test_unexpected_failure_is_500_and_the_server_keeps_serving(app, client, ser
 
 
 def test_failure_mid_stream_is_an_error_event(client, service, monkeypatch):
-    real_stream = service.decoder.stream
-
-    def failing(*args, **kwargs):
-        stream = real_stream(*args, **kwargs)
-        yield next(stream)
-        raise RuntimeError("boom")
-
-    monkeypatch.setattr(service.decoder, "stream", failing)
+    fail_after_first_chunk(monkeypatch, service.decoder)
     response = predict(client, stream=True, buffered=True)
     events = sse_events(response)
     assert events[-1]["error"]["type"] == "internal_error" and "finish_reason" not in events[-1]

@@ -45,3 +45,15 @@ def model_draws(monkeypatch) -> list[bool]:
 
     monkeypatch.setattr(ModelDrafter, "draw", spy)
     return draws
+
+
+def fail_after_first_chunk(monkeypatch, decoder) -> None:
+    """decoder.stream yields its first round's Chunk, then raises RuntimeError("boom"): a failure mid-stream."""
+    real_stream = decoder.stream
+
+    def failing(*args, **kwargs):
+        stream = real_stream(*args, **kwargs)
+        yield next(stream)
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(decoder, "stream", failing)

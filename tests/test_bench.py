@@ -6,10 +6,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import benchmark as bench
 from specdec.adaptive import expected_speedup, fit_alpha
-from specdec.cpu.linear import packing_supported
+from specdec.cpu.linear import packing_supported, quantization_supported, quantize_linears
+from specdec.engine import SpeculativeDecoder
+from tests.support.models import make_model, perturbed_copy
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -400,3 +403,35 @@ def test_drafting_replay_ends_a_run_where_the_draft_is_unsure():
         5, 5, 4, 4, "model")
     assert [c[4] for c in drafting.configurations(confidence=True)].count(0.5) == 5  # model g4-g8, hybrid
     assert all(c[4] == 0.0 for c in drafting.configurations(confidence=False))
+
+
+@pytest.mark.skipif(not quantization_supported(), reason="this torch build has no int8 engine")
+def test_drafting_replay_gives_the_engines_greedy_rounds_with_an_int8_draft():
+    """bench.drafting replays greedy rounds from the draft's argmaxes on the target's text. With an int8 draft,
+    whose activations are quantized with one scale per forward, those must come from forwards shaped as decoding
+    shapes them (the prompt, then a token at a time), or the replay's rounds are not the engine's."""
+    from bench import drafting
+    from specdec.drafters import LookupSettings
+
+    target = make_model("llama")
+    draft = perturbed_copy(target, noise=0.05)
+    assert quantize_linears(draft) > 0
+    decoder = SpeculativeDecoder(draft, target)
+    prompt = torch.randint(4, 64, (64,), generator=torch.Generator().manual_seed(3)).tolist()
+    stream, accepted = decoder.stream(prompt, max_new_tokens=48, temperature=0, gamma=4, eos_token_id=[]), []
+    while True:
+        try:
+            accepted.append(next(stream).sources.count("draft"))
+        except StopIteration as stop:
+            result = stop.value
+            break
+    text = prompt + result.token_ids
+    widths = []  # the draft's forwards in draft_outputs, by how many tokens each feeds
+    hook = draft.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].size(1)),
+                                           with_kwargs=True)
+    outputs = drafting.draft_outputs(decoder, text, len(prompt))
+    hook.remove()
+    assert widths == [len(prompt)] + [1] * len(result.token_ids)
+    replayed = drafting.simulate("model", len(prompt), text, outputs["argmax"], 4, LookupSettings())["rounds"]
+    assert [r[3] for r in replayed] == accepted
+    assert 0 < sum(accepted) < 4 * len(accepted)  # some proposals accepted, some rejected

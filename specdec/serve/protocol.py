@@ -40,7 +40,6 @@ CONFIDENCE_DESCRIPTION = ("the draft model ends its run before gamma after a tok
                           "this (softmax of its logits, before temperature, top-k and top-p); 0: never")
 
 
-
 def _not_tiny(value: float | None) -> float | None:
     if value is not None and 0 < value < MIN_TEMPERATURE:
         raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")

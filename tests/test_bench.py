@@ -13,6 +13,7 @@ from specdec.adaptive import expected_speedup, fit_alpha
 from specdec.cpu.linear import packing_supported, quantization_supported, quantize_linears
 from specdec.engine import SpeculativeDecoder
 from tests.support.models import make_model, perturbed_copy
+from tests.support.spies import rounds_of
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -418,13 +419,8 @@ def test_drafting_replay_gives_the_engines_greedy_rounds_with_an_int8_draft():
     assert quantize_linears(draft) > 0
     decoder = SpeculativeDecoder(draft, target)
     prompt = torch.randint(4, 64, (64,), generator=torch.Generator().manual_seed(3)).tolist()
-    stream, accepted = decoder.stream(prompt, max_new_tokens=48, temperature=0, gamma=4, eos_token_id=[]), []
-    while True:
-        try:
-            accepted.append(next(stream).sources.count("draft"))
-        except StopIteration as stop:
-            result = stop.value
-            break
+    chunks, result = rounds_of(decoder.stream(prompt, max_new_tokens=48, temperature=0, gamma=4, eos_token_id=[]))
+    accepted = [chunk.sources.count("draft") for chunk in chunks]
     text = prompt + result.token_ids
     widths = []  # the draft's forwards in draft_outputs, by how many tokens each feeds
     hook = draft.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].size(1)),

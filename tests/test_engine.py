@@ -13,7 +13,7 @@ from specdec.kv_cache import CachedModel
 from specdec.params import DRAFTERS, VERIFICATIONS
 from specdec.sampling import logits_to_probs
 from tests.support.models import ARCHITECTURES, make_model, make_tokenizer, perturbed_copy
-from tests.support.spies import ended_early, hybrid_rounds, model_runs
+from tests.support.spies import ended_early, hybrid_rounds, model_runs, rounds_of
 
 PROMPT = [3, 1, 4, 1, 5]
 
@@ -219,14 +219,7 @@ def test_stats_prefill_is_each_models_first_forward(decoder):
 
 
 def test_stream_chunks_add_up(decoder):
-    stream = decoder.stream(PROMPT, max_new_tokens=25, method="google", gamma=4, seed=3)
-    chunks = []
-    while True:
-        try:
-            chunks.append(next(stream))
-        except StopIteration as done:
-            result = done.value
-            break
+    chunks, result = rounds_of(decoder.stream(PROMPT, max_new_tokens=25, method="google", gamma=4, seed=3))
     assert [t for c in chunks for t in c.token_ids] == result.token_ids
     assert any(len(c.token_ids) > 1 for c in chunks)
     assert result.token_ids == decoder.generate(PROMPT, max_new_tokens=25, gamma=4, seed=3).token_ids

@@ -1,4 +1,4 @@
-"""Spies on the engine's parts, installed with pytest's monkeypatch for one test."""
+"""Spies on the engine's parts, installed with pytest's monkeypatch for one test, and a reader of its streams."""
 
 from specdec.drafters import HybridDrafter, ModelDrafter
 
@@ -57,3 +57,13 @@ def fail_after_first_chunk(monkeypatch, decoder) -> None:
         raise RuntimeError("boom")
 
     monkeypatch.setattr(decoder, "stream", failing)
+
+
+def rounds_of(stream) -> tuple[list, object]:
+    """Every Chunk a SpeculativeDecoder.stream yields (one a round), and the GenerationResult it returns."""
+    chunks = []
+    while True:
+        try:
+            chunks.append(next(stream))
+        except StopIteration as done:
+            return chunks, done.value

@@ -8,7 +8,9 @@ Our methods are named drafter-verification: `model-token` (Google speculative sa
 `model-block`, `lookup-token`, `lookup-block`, `hybrid-token`, `hybrid-block`; an `-adaptive` suffix picks the
 draft length adaptively, `-deepmind` the DeepMind variant (`google`, `deepmind` and `adaptive` are the
 model-token ones), `-g8` sets gamma to 8 for this method alone, and `-c0.5` the draft model's confidence stop
-(draft_confidence_threshold) to 0.5, where the methods without it take SamplingParams' default; `target` and
+(draft_confidence_threshold) to 0.5, where the methods without it take SamplingParams' default; for lookup and
+hybrid, `-k8` sets the lookup's max_tokens to 8, and for hybrid `-h3` its hybrid_min_match to 3 and `-x` turns
+on extend, over the run's `--lookup` settings (so one run can interleave lookup settings per prompt); `target` and
 `draft` decode with one model alone. Hugging Face baselines run `generate` on the models exactly as
 `from_pretrained` loads them: `hf_lookup` (its prompt lookup, prompt_lookup_num_tokens=10), `hf_assisted`
 (assisted generation with the draft), and on request `hf_target` and `hf_assisted_own_memory`
@@ -189,29 +191,56 @@ def token_digest(token_ids: list[int]) -> str:
     return hashlib.sha256(json.dumps(token_ids).encode()).hexdigest()[:16]
 
 
+# a method's suffixes (after drafter-verification), each at most once: its keyword and how its value reads
+SUFFIXES = {"c": ("draft_confidence_threshold", float), "g": ("gamma", int), "k": ("lookup_max_tokens", int),
+            "h": ("lookup_hybrid_min_match", int)}
+
+
 def our_method(method: str, gamma: int) -> dict:
-    """The generate keywords of one of our method names (see the module docstring)."""
+    """The generate keywords of one of our method names (see the module docstring). Lookup suffixes come back as
+    `lookup`, the LookupSettings fields that this method changes from the decoder's (run_ours applies them)."""
     aliases = {"google": "model-token", "deepmind": "model-token-deepmind", "adaptive": "model-token-adaptive"}
     if method in ("target", "draft"):
         return {"method": method}
+    unknown = ValueError(f"unknown method {method!r}")
     parts = aliases.get(method, method).split("-")
-    # suffixes c<P>: the draft model's confidence stop at P (draft_confidence_threshold); g<N>: gamma N
-    thresholds = [part[1:] for part in parts[2:] if part.startswith("c")]
-    gammas = [part[1:] for part in parts[2:] if part.startswith("g") and part[1:].isdigit()]
-    if len(parts) < 2 or parts[0] not in DRAFTERS or parts[1] not in VERIFICATIONS or len(thresholds) > 1 \
-            or len(gammas) > 1 or not set(parts[2:]) - {f"c{t}" for t in thresholds} - {f"g{g}" for g in gammas} \
-            <= {"adaptive", "deepmind"} or (gammas and "adaptive" in parts[2:]):
-        raise ValueError(f"unknown method {method!r}")
-    if gammas:
-        gamma = int(gammas[0])
-    keywords = {"method": "deepmind" if "deepmind" in parts[2:] else "google", "drafter": parts[0],
-                "verification": parts[1], "gamma": None if "adaptive" in parts[2:] else gamma}
-    if thresholds:
+    if len(parts) < 2 or parts[0] not in DRAFTERS or parts[1] not in VERIFICATIONS:
+        raise unknown
+    suffixes = parts[2:]
+    keys = [suffix[0] if suffix[:1] in SUFFIXES else suffix for suffix in suffixes]
+    if len(set(keys)) < len(keys):
+        raise unknown
+    keywords = {"method": "deepmind" if "deepmind" in suffixes else "google", "drafter": parts[0],
+                "verification": parts[1], "gamma": None if "adaptive" in suffixes else gamma}
+    lookup = {}
+    for suffix in suffixes:
+        if suffix in ("adaptive", "deepmind"):
+            continue
+        if suffix == "x" and parts[0] == "hybrid":
+            lookup["extend"] = True
+            continue
+        if suffix[:1] not in SUFFIXES:
+            raise unknown
+        name, kind = SUFFIXES[suffix[0]]
         try:
-            keywords["draft_confidence_threshold"] = SamplingParams(
-                draft_confidence_threshold=float(thresholds[0])).draft_confidence_threshold
-        except (ValueError, SpecDecError):
-            raise ValueError(f"unknown method {method!r}: c must be followed by a number from 0 to 1") from None
+            value = kind(suffix[1:])
+        except ValueError:
+            raise ValueError(f"unknown method {method!r}: {suffix[0]} must be followed by a number") from None
+        if name == "gamma" and "adaptive" in suffixes or name.startswith("lookup") and parts[0] == "model" \
+                or name == "lookup_hybrid_min_match" and parts[0] != "hybrid":
+            raise unknown
+        if name.startswith("lookup_"):
+            lookup[name.removeprefix("lookup_")] = value
+        else:
+            keywords[name] = value
+    try:  # the values' own checks: the threshold's range, gamma's, the lookup's
+        SamplingParams(**{k: keywords[k] for k in ("draft_confidence_threshold", "gamma") if k in keywords
+                          and keywords[k] is not None})
+        dataclasses.replace(LookupSettings(), **lookup)
+    except (ValueError, SpecDecError) as error:
+        raise ValueError(f"unknown method {method!r}: {error}") from None
+    if lookup:
+        keywords["lookup"] = lookup
     return keywords
 
 
@@ -235,11 +264,15 @@ class BlockScorer:
 def run_ours(method: str, decoder: SpeculativeDecoder, ids: list[int], max_new_tokens: int, mode: dict, seed: int,
              gamma: int) -> dict:
     scorer = BlockScorer()
+    keywords = our_method(method, gamma)
+    settings = decoder.lookup
     decoder.round_observer = scorer
+    decoder.lookup = dataclasses.replace(settings, **keywords.pop("lookup", {}))
     try:
-        result = decoder.generate(ids, max_new_tokens=max_new_tokens, seed=seed, **our_method(method, gamma), **mode)
+        result = decoder.generate(ids, max_new_tokens=max_new_tokens, seed=seed, **keywords, **mode)
     finally:
         decoder.round_observer = None
+        decoder.lookup = settings
     stats = dict(result.stats.as_dict(), token_digest=token_digest(result.token_ids))
     if scorer.blocks:
         stats["expected_accepted"] = dict(scorer.expected, blocks=scorer.blocks)
@@ -660,7 +693,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"comma-separated, of {', '.join(MODES)}")
     parser.add_argument("--methods", default=",".join(OUR_METHODS + HF_METHODS),
                         help=f"comma-separated; also available: {', '.join(EXTRA_METHODS)}, and any of ours with "
-                             "-adaptive or -deepmind")
+                             "the suffixes -adaptive, -deepmind, -g<gamma>, -c<threshold>, and for lookup and hybrid "
+                             "-k<max_tokens>, -h<hybrid_min_match>, -x (extend)")
     parser.add_argument("--sweep-gammas", default="", help="gammas for a greedy sweep of model-token ('' for none)")
     parser.add_argument("--sweep-prompts", type=int, default=4, help="prompts of each set used by the gamma sweep")
     parser.add_argument("--device", default="auto")

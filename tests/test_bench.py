@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -42,10 +43,40 @@ def test_method_names_map_to_drafter_rule_and_variant():
         "draft_confidence_threshold": 0.0}
     assert bench.our_method("model-token-g8-c0.6", 4)["gamma"] == 8
     assert bench.our_method("model-token-g8-c0.6", 4)["draft_confidence_threshold"] == 0.6
+    assert bench.our_method("hybrid-token-k8-h3-x", 4)["lookup"] == {"max_tokens": 8, "hybrid_min_match": 3,
+                                                                    "extend": True}
+    assert bench.our_method("lookup-block-k10", 4)["lookup"] == {"max_tokens": 10}
+    assert "lookup" not in bench.our_method("hybrid-token-g8", 4)
     for bad in ("ngram-token", "model-token-c", "model-token-c1.5", "model-token-cx", "model-token-c0.2-c0.3",
-                "model-token-fast", "model-token-g8-g6", "model-token-g", "model-token-adaptive-g8"):
+                "model-token-fast", "model-token-g8-g6", "model-token-g", "model-token-adaptive-g8",
+                "model-token-k8", "lookup-token-h3", "lookup-token-x", "hybrid-token-x-x", "hybrid-token-k0",
+                "hybrid-token-h9", "hybrid-token-k8-k6", "model-token-g0"):
         with pytest.raises(ValueError):
             bench.our_method(bad, 4)
+
+
+def test_a_methods_lookup_suffixes_apply_to_its_run_alone():
+    seen = []
+
+    class Decoder:  # records the lookup settings each generate call ran with
+        lookup, round_observer = bench.LookupSettings(max_ngram=6), None
+
+        def generate(self, ids, **keywords):
+            seen.append((self.lookup, keywords))
+            if keywords["drafter"] == "lookup":
+                raise RuntimeError("a failed run")
+            return types.SimpleNamespace(token_ids=[1], stats=types.SimpleNamespace(as_dict=lambda: {}))
+
+    decoder = Decoder()
+    bench.run_ours("hybrid-token-k8-h3-x", decoder, [1, 2], 4, bench.MODES["greedy"], 0, 4)
+    with pytest.raises(RuntimeError):
+        bench.run_ours("lookup-token-k5", decoder, [1, 2], 4, bench.MODES["greedy"], 0, 4)
+    bench.run_ours("hybrid-token", decoder, [1, 2], 4, bench.MODES["greedy"], 0, 4)
+    # over the decoder's own settings (its max_ngram stays), and undone after each run, failed or not
+    assert seen[0][0] == bench.LookupSettings(max_ngram=6, max_tokens=8, hybrid_min_match=3, extend=True)
+    assert seen[1][0] == bench.LookupSettings(max_ngram=6, max_tokens=5)
+    assert seen[2][0] == decoder.lookup == bench.LookupSettings(max_ngram=6)
+    assert all("lookup" not in keywords for _, keywords in seen)
 
 
 def test_lookup_settings_are_read_by_name_and_checked():

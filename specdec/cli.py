@@ -130,7 +130,8 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
     for field, flag in LOOKUP_KEYS.items():
         default = getattr(LookupSettings, field)
         if isinstance(default, bool):
-            parser.add_argument(f"--{flag}", action="store_true", help=LOOKUP_HELP[field])
+            parser.add_argument(f"--{flag}", action=argparse.BooleanOptionalAction, default=default,
+                                help=f"{LOOKUP_HELP[field]} (default {'on' if default else 'off'})")
         else:
             parser.add_argument(f"--{flag}", type=_checked(int, lambda n: n >= 1, "must be an integer >= 1"),
                                 default=default, metavar="N", help=f"{LOOKUP_HELP[field]} (default {default})")

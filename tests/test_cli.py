@@ -64,6 +64,8 @@ def test_lookup_flags_reach_the_decoder(pair_args, capsys, monkeypatch):
     assert built == [LookupSettings(max_ngram=3, max_tokens=2, hybrid_min_match=2, extend=True)]
     assert main(pair_args + ["--method", "google", "-M", "4"]) == 0
     assert built[-1] == LookupSettings()  # no flags: the measured defaults
+    assert main(pair_args + ["--method", "google", "--drafter", "hybrid", "-M", "4", "--no-hybrid_extend"]) == 0
+    assert built[-1] == LookupSettings(extend=False)
 
 
 def test_greedy_speculative_output_is_the_targets_greedy_text(pair_args, capsys):

@@ -73,7 +73,7 @@ def test_loader_may_be_an_import_path():
     ({"SPECDEC_LOADER": "no.such.module:load"}, {}, ["loader", "cannot import"]),
     ({"SPECDEC_LOOKUP_MAX_TOKENS": "0"}, {}, ["lookup_max_tokens = '0'", "SPECDEC_LOOKUP_MAX_TOKENS"]),
     ({"SPECDEC_HYBRID_MIN_MATCH": "9"}, {}, ["hybrid_min_match (9) exceeds lookup_max_ngram (8)"]),
-    ({}, {"lookup_max_ngram": 2}, ["hybrid_min_match (4) exceeds lookup_max_ngram (2)"]),
+    ({}, {"lookup_max_ngram": 2}, ["hybrid_min_match (3) exceeds lookup_max_ngram (2)"]),
     ({"SPECDEC_HYBRID_EXTEND": "sometimes"}, {}, ["hybrid_extend", "SPECDEC_HYBRID_EXTEND"]),
     ({"SPECDEC_CONFIG": "/no/such/file.toml"}, {}, ["SPECDEC_CONFIG", "/no/such/file.toml", "does not exist"]),
 ])

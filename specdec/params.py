@@ -108,15 +108,15 @@ class LookupSettings:
     rounds of the 44 prompts of both sets with measured forward costs by width (bench/results/drafting/drafting.md,
     `python -m bench.drafting`) ranked matches of 8 tokens first (the longer the match, the surer its
     continuation: 95% of the lookup's proposals after an 8-token match were the target's on the grounded prompts,
-    against 19% after a 1-token one), and 8 proposals per round first for the lookup alone (1.90x target-only's
-    decode on the grounded prompts, against 1.78x with 6) and for the hybrid with `extend`. Measured with the
-    rounds interleaved per prompt (bench/results/extend-interleaved/), the hybrid with 8 tokens, matches of 3 and
-    `extend` against 6 tokens, matches of 4 and no mixing: 3.84 tokens per target forward against 3.31 on the
-    20 grounded prompts, 1.07x model drafting's tokens/s against 1.04x (1.16x against 1.11x past the first
-    round), and on the 24 default prompts 1.02x either way (issue 18's floor is 0.97x)."""
+    against 19% after a 1-token one). Measured with the rounds interleaved per prompt on the 20 grounded prompts
+    (bench/results/extend-interleaved/): the hybrid on matches of 3 with `extend` against matches of 4 and no
+    mixing gave 3.65-3.84 tokens per target forward against 3.31 and 1.07x model drafting's tokens/s against 1.04x
+    (1.02x either way on the 24 default prompts; issue 18's floor is 0.97x). 6 proposals per round against 8:
+    the same speed for that hybrid (1.00x, 3.65 against 3.84 tokens per target forward), and 1.07x for the lookup
+    alone (the replay had ranked 8 first; the wider verifications cost more than it modelled)."""
 
     max_ngram: int = 8  # the longest suffix tried first; shorter ones down to min_match after it
-    max_tokens: int = 8  # proposals per round at most
+    max_tokens: int = 6  # proposals per round at most
     min_match: int = 1  # LookupDrafter proposes on a match this long or longer
     hybrid_min_match: int = 3  # HybridDrafter hands a position to the lookup on a match this long or longer
     extend: bool = True  # HybridDrafter: may a round mix the drafters (the lookup continuing the model's run)?

@@ -462,3 +462,20 @@ def test_drafting_replay_gives_the_engines_greedy_rounds_with_an_int8_draft():
     replayed = drafting.simulate("model", len(prompt), text, outputs["argmax"], 4, LookupSettings())["rounds"]
     assert [r[3] for r in replayed] == accepted
     assert 0 < sum(accepted) < 4 * len(accepted)  # some proposals accepted, some rejected
+
+
+def test_agreement_counts_where_the_lookup_and_the_draft_are_right():
+    """bench.agreement at each generated position where the lookup matches: at 8 it copies 4 after [1, 2, 3] (right,
+    as is the draft), at 9 it copies 5 (right, the draft wrong), at 10 it copies 1 where the text goes on with 7
+    (wrong, the draft right). Hits after a hit: 1 of 2."""
+    from bench import agreement
+
+    text = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 7]
+    argmax = [0] * len(text)
+    argmax[7], argmax[9] = 4, 7  # the draft's next token after text[:8] and text[:10]
+    counts = agreement.agreement(text, argmax, prompt_len=8, min_match=3, max_ngram=8)
+    assert counts == {"positions": 3, "fires": 3, "lookup_right": 2, "draft_right": 2, "both_right": 1,
+                      "only_lookup_right": 1, "after_hit": 2, "right_after_hit": 1, "after_miss": 0,
+                      "right_after_miss": 0}
+    # a match shorter than min_match does not fire: [5, 7] never occurred, nor did [7]
+    assert agreement.agreement(text + [7, 8], [0] * 13, 11, 2, 8)["fires"] == 0

@@ -27,8 +27,9 @@ def agreement(text: list[int], argmax: list[int], prompt_len: int, min_match: in
     index, previous = NgramIndex(max_ngram), None
     for i in range(prompt_len, len(text)):
         counts["positions"] += 1
-        index.update(text[:i])
-        found = index.match(text[:i], min_match)
+        committed = text[:i]
+        index.update(committed)
+        found = index.match(committed, min_match)
         if found is None:
             continue
         lookup_right = text[found[0] + 1] == text[i]

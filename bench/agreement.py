@@ -17,7 +17,7 @@ from specdec.drafters import NgramIndex
 from specdec.params import LookupSettings
 
 TEXTS = Path(__file__).resolve().parent / "results" / "drafting" / "texts.json"
-COUNTS = ("positions", "fires", "lookup_right", "draft_right", "both_right", "only_lookup_right",
+COUNTS = ("positions", "fires", "lookup_right", "draft_right", "only_lookup_right",
           "after_hit", "right_after_hit", "after_miss", "right_after_miss")
 
 
@@ -37,7 +37,6 @@ def agreement(text: list[int], argmax: list[int], prompt_len: int, min_match: in
         counts["fires"] += 1
         counts["lookup_right"] += lookup_right
         counts["draft_right"] += draft_right
-        counts["both_right"] += lookup_right and draft_right
         counts["only_lookup_right"] += lookup_right and not draft_right
         if previous is not None:
             after = "hit" if previous else "miss"

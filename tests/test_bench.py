@@ -474,8 +474,8 @@ def test_agreement_counts_where_the_lookup_and_the_draft_are_right():
     argmax = [0] * len(text)
     argmax[7], argmax[9] = 4, 7  # the draft's next token after text[:8] and text[:10]
     counts = agreement.agreement(text, argmax, prompt_len=8, min_match=3, max_ngram=8)
-    assert counts == {"positions": 3, "fires": 3, "lookup_right": 2, "draft_right": 2, "both_right": 1,
-                      "only_lookup_right": 1, "after_hit": 2, "right_after_hit": 1, "after_miss": 0,
+    assert counts == {"positions": 3, "fires": 3, "lookup_right": 2, "draft_right": 2, "only_lookup_right": 1,
+                      "after_hit": 2, "right_after_hit": 1, "after_miss": 0,
                       "right_after_miss": 0}
     # a match shorter than min_match does not fire: [5, 7] never occurred, nor did [7]
     assert agreement.agreement(text + [7, 8], [0] * 13, 11, 2, 8)["fires"] == 0

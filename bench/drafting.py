@@ -72,17 +72,41 @@ class ArgmaxDraft:
         self.length = min(self.length, length)
 
 
+class GatedHybrid(HybridDrafter):
+    """The hybrid with a gate it does not have, replayed to see whether it would pay: no lookup in a round when
+    the lookup's most recent prediction (at a position where its match was long enough) was not the token
+    committed there. That depends on the committed sequence alone, so it would keep the output exact. Each
+    position's prediction is looked up once, on the text, whose prefixes the committed sequences are."""
+
+    def __init__(self, model, lookup: LookupDrafter, settings: LookupSettings, text: list[int], prompt_len: int):
+        super().__init__(model, lookup, settings)
+        self.right = {}  # position -> whether the lookup's prediction there was the text's token
+        for position in range(prompt_len, len(text)):
+            probe = LookupDrafter(1, settings, min_match=settings.hybrid_min_match)
+            probe.start(text[:position])
+            token = probe.next_token(list(text[:position]))
+            if token is not None:
+                self.right[position] = token == text[position]
+
+    def propose(self, ids: list[int], gamma: int, limit: int, generator_at):
+        last = max((p for p in self.right if p < len(ids)), default=None)
+        if last is not None and not self.right[last]:
+            return self.model.propose(ids, gamma, limit, generator_at)
+        return super().propose(ids, gamma, limit, generator_at)
+
+
 def simulate(kind: str, prompt_len: int, text: list[int], argmax: list[int], gamma: int,
              settings: LookupSettings, confidence: list[float] | None = None, threshold: float = 0.0) -> dict:
-    """The fixed-gamma loop's rounds on one prompt: (width, committed, proposed, accepted, drafter) per round and
-    the draft forwards' widths."""
+    """The fixed-gamma loop's rounds on one prompt (kind: model, lookup, hybrid or hybrid-gated): (width,
+    committed, proposed, accepted, drafter) per round and the draft forwards' widths."""
     draft = ArgmaxDraft(text, argmax, confidence, threshold)
     if kind == "model":
         drafter = draft
     else:
-        lookup = LookupDrafter(1, settings, min_match=settings.hybrid_min_match if kind == "hybrid" else None)
+        lookup = LookupDrafter(1, settings, min_match=None if kind == "lookup" else settings.hybrid_min_match)
         lookup.one_hots = lambda tokens: torch.zeros(len(tokens), 1)  # no distributions needed here
-        drafter = lookup if kind == "lookup" else HybridDrafter(draft, lookup, settings)
+        drafter = lookup if kind == "lookup" else HybridDrafter(draft, lookup, settings) if kind == "hybrid" \
+            else GatedHybrid(draft, lookup, settings, text, prompt_len)
     ids, rounds = list(text[:prompt_len]), []
     while len(ids) < len(text):
         limit = len(text) - len(ids) - 1
@@ -112,6 +136,11 @@ def cost(sim: dict, target_ms: dict[int, float], draft_ms: dict[int, float]) -> 
 CONFIDENCE_THRESHOLDS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
+def hybrid_name(settings: LookupSettings, gamma: int = 4) -> str:
+    return (f"hybrid g{gamma} n{settings.max_ngram} k{settings.max_tokens} h{settings.hybrid_min_match}"
+            f"{' extend' if settings.extend else ''}")
+
+
 def configurations(max_gamma: int = 6, confidence: bool = False):
     """(name, kind, gamma, LookupSettings, draft confidence threshold) of the grid; the confidence stop's
     configurations where the texts carry the draft's confidence."""
@@ -121,7 +150,7 @@ def configurations(max_gamma: int = 6, confidence: bool = False):
         for gamma, threshold in itertools.product((4, 5, 6, 8), CONFIDENCE_THRESHOLDS):
             yield f"model g{gamma} c{threshold}", "model", gamma, LookupSettings(), threshold
         for threshold in CONFIDENCE_THRESHOLDS:
-            yield f"hybrid g4 h4 c{threshold}", "hybrid", 4, LookupSettings(), threshold
+            yield f"{hybrid_name(LookupSettings())} c{threshold}", "hybrid", 4, LookupSettings(), threshold
     for max_ngram, max_tokens, min_match in itertools.product((1, 2, 3, 4, 5, 6, 8), (4, 6, 8, 10, 12, 16), (1, 2, 3)):
         if min_match <= max_ngram:
             yield (f"lookup n{max_ngram} k{max_tokens} m{min_match}", "lookup", 4,
@@ -130,9 +159,10 @@ def configurations(max_gamma: int = 6, confidence: bool = False):
     for max_ngram, max_tokens, hybrid_min_match, extend in itertools.product((2, 3, 4, 6, 8), (6, 8, 10, 12, 16),
                                                                             (1, 2, 3, 4, 5, 6, 8), (False, True)):
         if hybrid_min_match <= max_ngram:
-            yield (f"hybrid g4 n{max_ngram} k{max_tokens} h{hybrid_min_match}{' extend' if extend else ''}",
-                   "hybrid", 4, LookupSettings(max_ngram=max_ngram, max_tokens=max_tokens,
-                                               hybrid_min_match=hybrid_min_match, extend=extend), 0.0)
+            settings = LookupSettings(max_ngram=max_ngram, max_tokens=max_tokens, hybrid_min_match=hybrid_min_match,
+                                      extend=extend)
+            yield hybrid_name(settings), "hybrid", 4, settings, 0.0
+    yield f"{hybrid_name(LookupSettings())} gated", "hybrid-gated", 4, LookupSettings(), 0.0
 
 
 DRAFT_FORWARDS = "decoding's"  # texts whose argmax and confidence came from one forward over the text lack it

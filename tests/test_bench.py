@@ -437,6 +437,25 @@ def test_drafting_replay_ends_a_run_where_the_draft_is_unsure():
     assert all(c[4] == 0.0 for c in drafting.configurations(confidence=False))
 
 
+def test_drafting_replay_of_the_gate_keeps_the_lookup_out_after_its_miss():
+    """bench.drafting's gated hybrid (a replay only): after the lookup predicted 4 after [1, 2, 3] where the text
+    has 5, the next round is the draft model's alone (4 proposals, width 5), where the hybrid lets the lookup
+    continue the draft's run past [1, 2, 3] again (7 proposals)."""
+    from bench import drafting
+    from specdec.drafters import LookupSettings
+
+    prompt = [1, 2, 3, 4, 8, 9, 10]
+    text = prompt + [1, 2, 3, 5, 1, 2, 3, 5, 11, 12, 13, 14]
+    argmax = text[1:] + [0]  # the draft is always right
+    gated = drafting.GatedHybrid(None, None, LookupSettings(), text, len(prompt))
+    assert gated.right == {10: False, 14: True, 15: False}  # 4 for 5, then 5, then 1 for 11
+    hybrid = drafting.simulate("hybrid", len(prompt), text, argmax, 4, LookupSettings())["rounds"]
+    replayed = drafting.simulate("hybrid-gated", len(prompt), text, argmax, 4, LookupSettings())["rounds"]
+    assert hybrid[0] == replayed[0] == (10, 4, 9, 3, "model")
+    assert (hybrid[1][0], replayed[1][0]) == (8, 5)
+    assert sum(r[1] for r in replayed) == len(text) - len(prompt)
+
+
 @pytest.mark.skipif(not quantization_supported(), reason="this torch build has no int8 engine")
 def test_drafting_replay_gives_the_engines_greedy_rounds_with_an_int8_draft():
     """bench.drafting replays greedy rounds from the draft's argmaxes on the target's text. With an int8 draft,

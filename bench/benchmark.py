@@ -47,7 +47,14 @@ from specdec.adaptive import expected_speedup, fit_alpha
 from specdec.engine import LookupSettings, SpeculativeDecoder
 from specdec.errors import SpecDecError
 from specdec.kv_cache import input_device
-from specdec.loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels, use_stock_kernels
+from specdec.loading import (
+    DRAFT_QUANTIZATIONS,
+    load_pair,
+    prepare_draft,
+    quantizes_draft,
+    use_cpu_kernels,
+    use_stock_kernels,
+)
 from specdec.params import DRAFTERS, VERIFICATIONS, SamplingParams
 from specdec.text import encode_prompt
 from specdec.verification import EXPECTED_ACCEPTED
@@ -136,6 +143,8 @@ def ours_draft(draft, draft_quantization: str):
     if input_device(draft).type != "cpu":
         return draft
     ours = copy.deepcopy(draft)
+    if quantizes_draft(input_device(draft), next(draft.parameters()).dtype, draft_quantization):
+        ours.float()  # as load_pair loads a draft it quantizes, beside a bfloat16 target too
     prepare_draft(ours, draft_quantization)
     return ours
 
@@ -747,7 +756,7 @@ def lookup_settings(text: str) -> LookupSettings:
 
 def measured_models(target, our_draft) -> dict:
     """What the run measured, read off the models: the target's dtype, and whether our draft is int8 (load_pair
-    quantizes a float32 CPU draft only; "none" too when no method of ours ran, `our_draft` None)."""
+    quantizes a float32 or bfloat16 CPU draft only; "none" too when no method of ours ran, `our_draft` None)."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
     int8 = our_draft is not None and any(isinstance(m, DynamicQuantizedLinear) for m in our_draft.modules())

@@ -146,8 +146,9 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, "
                         "float16 or bfloat16")
     parser.add_argument("--draft_quantization", default="int8", type=str.lower, choices=("int8", "none"),
-                        help="int8 (default): a float32 draft on CPU runs int8-quantized, 2.5-3x cheaper; outputs "
-                             "stay exactly the target's. none: the draft as loaded")
+                        help="int8 (default): a draft on CPU runs int8-quantized (loaded in float32, also beside a "
+                             "bfloat16 target), 2.5-3x cheaper; outputs stay exactly the target's. none: the draft "
+                             "as loaded")
     parser.add_argument("--device_map", default=None, help="accelerate device map for the target, e.g. auto")
     parser.add_argument("--trust_remote_code", action="store_true", help="allow models' own code from the hub")
     parser.add_argument("-b", "--benchmark", action="store_true",

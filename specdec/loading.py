@@ -324,19 +324,30 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def quantizes_draft(device: torch.device, dtype: torch.dtype, draft_quantization: str) -> bool:
+    """Whether a draft for a pair in `dtype` on `device` runs int8 (and is then loaded in float32, the int8
+    layers' activations): on CPU, in float32 or bfloat16, where torch has an int8 engine."""
+    from .cpu.linear import quantization_supported
+
+    return draft_quantization == "int8" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
+        and quantization_supported()
+
+
 def load_draft(source: ModelSource, device: torch.device, dtype: torch.dtype, draft_quantization: str,
                trust_remote_code: bool = False, own_memory: bool = True):
-    """The draft, int8 already where `draft_quantization` asks for it and it applies (a float32 CPU draft).
+    """The draft, int8 already where `draft_quantization` asks for it and it applies: a CPU draft in float32 or
+    bfloat16, loaded in float32 whatever the target's dtype, since the int8 layers take float32 activations (a
+    bfloat16 target with an int8 draft is the fastest pair on our CPUs; bench/README.md).
 
     An int8 draft from a folder in the cache (the default pair) is kept there, as a ready form: later starts read
     that form (verified: `weights.ReadyForm`) and never the float weights of its quantized layers. A missing,
     stale or damaged form is built again from the float draft, quantized layer by layer, and kept.
     """
-    from .cpu.linear import load_quantized, quantization_supported, quantize_linears, quantized_tensors
+    from .cpu.linear import load_quantized, quantize_linears, quantized_tensors
 
-    if draft_quantization != "int8" or device.type != "cpu" or dtype != torch.float32 \
-            or not quantization_supported():
+    if not quantizes_draft(device, dtype, draft_quantization):
         return load_model(source, "draft", device, dtype, None, trust_remote_code, own_memory)
+    dtype = torch.float32
     form = int8_draft_form(source)
     config, model_class = _causal_lm_class(source, trust_remote_code) if form is not None else (None, None)
     if model_class is not None:
@@ -506,10 +517,11 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     about what one token does, CPU attention over grouped heads skips copying the cache per head (specdec.cpu.attention), and
     CPU weights are read straight into the process's memory, tensor by tensor, not memory-mapped (`load_model`);
     models elsewhere or in float16 keep the library's kernels.
-    `draft_quantization`: "int8" (default) quantizes a float32 CPU draft's linear layers to int8, which makes
-    proposing 2.5-3x cheaper; outputs stay exactly the target's, since the rejection rule uses the quantized
-    draft's own probabilities. "none" (or None) keeps the draft as loaded. The target is never quantized. The
-    default pair's int8 draft is kept in the cache and read from there at later starts (`load_draft`).
+    `draft_quantization`: "int8" (default) quantizes a CPU draft's linear layers to int8 (the draft loaded in
+    float32 for it, beside a float32 or bfloat16 target; not float16), which makes proposing 2.5-3x cheaper;
+    outputs stay exactly the target's, since the rejection rule uses the quantized draft's own probabilities.
+    "none" (or None) keeps the draft as loaded. The target is never quantized. The default pair's int8 draft is
+    kept in the cache and read from there at later starts (`load_draft`).
 
     Each step logs one line with its seconds ("start-up: ...").
     """

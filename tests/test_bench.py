@@ -498,3 +498,20 @@ def test_agreement_counts_where_the_lookup_and_the_draft_are_right():
                       "right_after_miss": 0}
     # a match shorter than min_match does not fire: [5, 7] never occurred, nor did [7]
     assert agreement.agreement(text + [7, 8], [0] * 13, 11, 2, 8)["fires"] == 0
+
+
+@pytest.mark.skipif(not quantization_supported(), reason="this torch build has no int8 engine")
+def test_benchmark_draft_beside_a_bfloat16_target_is_int8_as_load_pair_gives_it():
+    """With HF baselines planned the stock pair is loaded unquantized; our draft is a copy made as load_pair
+    makes it: float32 with int8 linears, beside a bfloat16 target too. The stock draft stays as it was."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    stock = make_model("llama", seed=0).to(torch.bfloat16)
+    ours = bench.ours_draft(stock, "int8")
+    assert any(isinstance(m, DynamicQuantizedLinear) for m in ours.modules())
+    assert bench.measured_models(stock, ours) == {"dtype": "bfloat16", "draft_quantization": "int8"}
+    assert next(stock.parameters()).dtype == torch.bfloat16
+    assert not any(isinstance(m, DynamicQuantizedLinear) for m in stock.modules())
+    plain = bench.ours_draft(stock, "none")
+    assert next(plain.parameters()).dtype == torch.bfloat16
+    assert not any(isinstance(m, DynamicQuantizedLinear) for m in plain.modules())

@@ -181,9 +181,16 @@ def test_verification_forward_gives_the_one_by_one_logits(arch, dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("draft_kind", ["bfloat16", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_bfloat16_greedy_equals_target_only_for_every_drafter(arch):
+def test_bfloat16_greedy_equals_target_only_for_every_drafter(arch, draft_kind):
+    """A bfloat16 target, with a bfloat16 draft or (what load_pair gives on CPU) a float32 draft in int8."""
     draft, target = _pair_with_kernels(arch, torch.bfloat16)
+    if draft_kind == "int8":
+        if not quantization_supported():
+            pytest.skip("this torch build has no int8 engine")
+        draft, _ = _pair_with_kernels(arch, torch.float32)
+        assert quantize_linears(draft) > 0
     decoder = SpeculativeDecoder(draft, target)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats, so that the lookup proposes
     reference = decoder.generate(prompt, max_new_tokens=40, method="target", temperature=0).token_ids

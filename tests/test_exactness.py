@@ -179,6 +179,20 @@ def test_int8_draft_samples_follow_target_distribution(llama_pair):
 
 
 @pytest.mark.statistical
+@pytest.mark.skipif(not quantization_supported(), reason="this torch build has no int8 engine")
+def test_int8_draft_beside_a_bfloat16_target_samples_follow_its_distribution(llama_pair):
+    """What load_pair does on CPU with dtype bfloat16: the draft in float32 with int8 linears, the target in
+    bfloat16 (on the few-rows kernel where it is built). Samples follow the bfloat16 target's distribution."""
+    draft, target = llama_pair
+    quantized, bf16_target = copy.deepcopy(draft), copy.deepcopy(target).to(torch.bfloat16)
+    assert quantize_linears(quantized) > 0
+    pack_linears(bf16_target)
+    expected = exact_distribution(bf16_target, *SETTINGS["t1"])
+    counts = draw(SpeculativeDecoder(quantized, bf16_target), "google", SETTINGS["t1"], 5_000, seed=7)
+    assert goodness_of_fit(counts, expected, 5_000) > 1e-3
+
+
+@pytest.mark.statistical
 def test_cpu_kernel_pair_samples_follow_target_distribution(llama_pair):
     """What load_pair does on CPU: both models' float32 linears on the few-rows kernel (or oneDNN packing where
     it cannot be built), the draft in int8. Speculative samples follow the stock target's distribution."""

@@ -134,8 +134,19 @@ def test_load_pair_quantizes_a_cpu_draft_unless_told_not_to(tiny_pair_dirs):
     assert not int8(target) and any(isinstance(m, fast) for m in target.modules())  # never quantized
     draft, _, _ = load_pair(*tiny_pair_dirs, device="cpu", draft_quantization="none")
     assert not int8(draft) and any(isinstance(m, fast) for m in draft.modules())
-    draft, _, _ = load_pair(*tiny_pair_dirs, device="cpu", dtype="bfloat16")  # only float32 drafts are quantized
-    assert not int8(draft)
+    # beside a bfloat16 target the draft is loaded in float32 and quantized (int8 layers take float32 inputs);
+    # a float16 one (the library's kernels) is left as loaded
+    draft, target, tokenizer = load_pair(*tiny_pair_dirs, device="cpu", dtype="bfloat16")
+    assert next(target.parameters()).dtype == torch.bfloat16
+    if quantization_supported():
+        assert int8(draft) and next(draft.parameters()).dtype == torch.float32
+        decoder = SpeculativeDecoder(draft, target, tokenizer)
+        ids = tokenizer("hello hello")["input_ids"]
+        greedy = decoder.generate(ids, max_new_tokens=12, method="target", temperature=0).token_ids
+        for drafter in ("model", "hybrid"):
+            assert decoder.generate(ids, max_new_tokens=12, temperature=0, drafter=drafter).token_ids == greedy
+    draft, _, _ = load_pair(*tiny_pair_dirs, device="cpu", dtype="float16")
+    assert not int8(draft) and next(draft.parameters()).dtype == torch.float16
     with pytest.raises(SpecDecError) as error:
         load_pair(*tiny_pair_dirs, draft_quantization="int4")
     assert error.value.field == "draft_quantization" and "int8 or none" in str(error.value)
@@ -152,7 +163,7 @@ def test_load_pair_in_bfloat16_with_a_device_map_for_the_target(tiny_pair_dirs, 
         return original(cls, path, **kwargs)
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(spy))
-    draft, target, _ = load_pair(*tiny_pair_dirs, dtype="bfloat16", device_map={"": "cpu"})
+    draft, target, _ = load_pair(*tiny_pair_dirs, dtype="bfloat16", device_map={"": "cpu"}, draft_quantization="none")
     assert next(draft.parameters()).dtype == torch.bfloat16
     assert next(target.parameters()).dtype == torch.bfloat16
     # the target through from_pretrained with the device map; the draft, without one, read into own memory

@@ -27,7 +27,8 @@ def _recording_sdpa(monkeypatch):
     sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
 
     def recording(*args, **kwargs):
-        calls.append((args[0].shape[2], kwargs.get("enable_gqa", False) and kwargs.get("attn_mask") is not None))
+        calls.append((tuple(args[0].shape[1:3]),
+                      kwargs.get("enable_gqa", False) and kwargs.get("attn_mask") is not None))
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
@@ -49,13 +50,16 @@ def test_multi_token_forward_with_cache_matches_sdpa_row_by_row(arch, monkeypatc
     calls = _recording_sdpa(monkeypatch)
     stock, grouped = _stock_and_grouped(arch)
     ids = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(0))
-    layers = grouped.config.num_hidden_layers
+    config = grouped.config
+    layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+    one_token = (kv_heads, config.num_attention_heads // kv_heads)  # a token's query heads as rows, per kv head
+    assert one_token[1] > 1
     for context, new in ((0, 30), (12, 1), (12, 2), (12, 5), (25, 5)):
         expected = _logits_with_cache(stock, ids, context, new)
         calls.clear()
         torch.testing.assert_close(_logits_with_cache(grouped, ids, context, new), expected, atol=1e-5, rtol=1e-5)
-        if context and new > 1:  # after the cached tokens: one query per call, each new token its own
-            assert [rows for rows, _ in calls[-layers * new:]] == [1] * layers * new
+        if context:  # the context's prefill, then one call per new token (decoded or verified) and layer
+            assert [shape for shape, _ in calls[layers:]] == [one_token] * layers * new
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -1,12 +1,14 @@
-"""Attention for multi-token verification on CPU: row by row after cached tokens, grouped heads not copied.
+"""Attention for decoding and multi-token verification on CPU: one token at a time after cached tokens, each
+token's query heads as the rows of one call per key/value head; grouped heads not copied.
 
 For a forward over several new tokens with a KV cache (a verification over gamma+1 tokens), transformers' sdpa
 path has a mask and then copies every key and value head `num_key_value_groups` times (`repeat_kv`) in every
 layer: Qwen2.5-1.5B (12 query heads, 2 key/value heads) copies its whole cache six-fold twice per layer, about
 10 ms of a 350 ms verification. torch's SDPA takes grouped heads directly (`enable_gqa=True`), with the same
 results. And one masked call over all new tokens sums in another order than decoding them one by one does, so
-with the plain causal mask (one sequence, no padding) each new token gets the unmasked one-query call that
-decoding it makes: with the few-rows linears (specdec.cpu.linear), a verification forward gives bitwise the logits
+with the plain causal mask (one sequence, no padding) each new token gets the unmasked call that decoding it makes
+(`one_query_attention`, which a decoded token gets too, and which is 2-10x faster than torch's one-query call
+with `enable_gqa` on CPU): with the few-rows linears (specdec.cpu.linear), a verification forward gives bitwise the logits
 of target-only decoding, float32 or bfloat16, and greedy speculative output equals greedy target-only output by
 construction, not only away from near ties. Padded masks keep the single grouped call. The function is
 registered through transformers' AttentionInterface under its own name and selected per model
@@ -28,21 +30,22 @@ GQA_ATTENTION = "specdec_sdpa_gqa"
 def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention, except that several masked queries over grouped heads skip `repeat_kv`, and
-    that new tokens after cached ones (a verification) are attended to one by one, as decoding them would."""
+    """transformers' sdpa attention, except that a token decoded after cached ones and the new tokens of a
+    verification are attended to one by one, each by `one_query_attention`, and that several masked queries over
+    grouped heads skip `repeat_kv`."""
     grouped = getattr(module, "num_key_value_groups", 1) > 1
     plain = all(kwargs.get(name) is None for name in ("position_bias", "softcap")) \
         and not kwargs.get("output_attentions", False)
     rows, keys = query.shape[2], key.shape[2]
-    if plain and 1 < rows < keys and is_causal_mask(attention_mask, rows, keys):
-        # Each query row gets the SDPA call that decoding its token makes (transformers' sdpa for one query: the
-        # keys up to its own, no mask, grouped heads as they are), on the same keys and values, so the output is
-        # bitwise the same whatever the number of rows; one masked call over all rows sums in another order (1e-6
-        # apart in float32, a rounding step of bfloat16). More small calls per layer: 1-7% of a 5-7 token
+    if plain and (rows == 1 and attention_mask is None or 0 < rows < keys and is_causal_mask(attention_mask, rows,
+                                                                                            keys)):
+        # Each query row gets the call that decoding its token makes, on the same keys and values, so the output
+        # is bitwise the same whatever the number of rows; one masked call over all rows sums in another order
+        # (1e-6 apart in float32, a rounding step of bfloat16). More small calls per layer: 1-7% of a 5-7 token
         # verification of the default target in `python -m bench.attention` runs, whose noise is as large
-        out = torch.cat([torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, i:i + 1], key[:, :, :keys - rows + i + 1], value[:, :, :keys - rows + i + 1],
-            dropout_p=dropout, scale=scaling, enable_gqa=grouped) for i in range(rows)], dim=2)
+        out = torch.cat([one_query_attention(query[:, :, i:i + 1], key[:, :, :keys - rows + i + 1],
+                                             value[:, :, :keys - rows + i + 1], dropout, scaling)
+                         for i in range(rows)], dim=2)
         return out.transpose(1, 2).contiguous(), None
     if not (grouped and plain and attention_mask is not None and rows > 1):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -50,6 +53,20 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                            dropout_p=dropout, scale=scaling, enable_gqa=True)
     return out.transpose(1, 2).contiguous(), None
+
+
+def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float = 0.0,
+                        scaling: float | None = None) -> torch.Tensor:
+    """One token's attention, (batch, heads, 1, dim), over every key and value given, (batch, kv_heads, n, dim).
+
+    The query heads that share a key/value head are the rows of one unmasked SDPA call over it (one token sees
+    every key): the same result as a one-query call with `enable_gqa`, which torch's CPU kernel runs several times
+    slower (at 450 keys about 2x in float32 and 5-10x in bfloat16, `python -m bench.attention`)."""
+    batch, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.reshape(batch, kv_heads, heads // kv_heads, dim), key, value, dropout_p=dropout, scale=scaling)
+    return out.reshape(batch, heads, 1, dim)
 
 
 def is_causal_mask(mask: torch.Tensor | None, rows: int, keys: int) -> bool:

@@ -21,18 +21,26 @@ COUNTS = ("positions", "fires", "lookup_right", "draft_right", "only_lookup_righ
           "after_hit", "right_after_hit", "after_miss", "right_after_miss")
 
 
-def agreement(text: list[int], argmax: list[int], prompt_len: int, min_match: int, max_ngram: int) -> dict:
-    """The counts of COUNTS for one text (argmax[i]: the draft's next token after text[:i + 1])."""
-    counts = dict.fromkeys(COUNTS, 0)
-    index, previous = NgramIndex(max_ngram), None
+def lookup_predictions(text: list[int], prompt_len: int, min_match: int, max_ngram: int) -> dict[int, int]:
+    """position -> the lookup's token there (after text[:position]), at each generated position where it has a
+    match of at least min_match tokens."""
+    index, predictions = NgramIndex(max_ngram), {}
     for i in range(prompt_len, len(text)):
-        counts["positions"] += 1
         committed = text[:i]
         index.update(committed)
         found = index.match(committed, min_match)
-        if found is None:
-            continue
-        lookup_right = text[found[0] + 1] == text[i]
+        if found is not None:
+            predictions[i] = text[found[0] + 1]
+    return predictions
+
+
+def agreement(text: list[int], argmax: list[int], prompt_len: int, min_match: int, max_ngram: int) -> dict:
+    """The counts of COUNTS for one text (argmax[i]: the draft's next token after text[:i + 1])."""
+    counts = dict.fromkeys(COUNTS, 0)
+    counts["positions"] = len(text) - prompt_len
+    previous = None
+    for i, token in lookup_predictions(text, prompt_len, min_match, max_ngram).items():
+        lookup_right = token == text[i]
         draft_right = argmax[i - 1] == text[i]
         counts["fires"] += 1
         counts["lookup_right"] += lookup_right

@@ -79,14 +79,12 @@ class GatedHybrid(HybridDrafter):
     position's prediction is looked up once, on the text, whose prefixes the committed sequences are."""
 
     def __init__(self, model, lookup: LookupDrafter, settings: LookupSettings, text: list[int], prompt_len: int):
+        from .agreement import lookup_predictions
+
         super().__init__(model, lookup, settings)
-        self.right = {}  # position -> whether the lookup's prediction there was the text's token
-        for position in range(prompt_len, len(text)):
-            probe = LookupDrafter(1, settings, min_match=settings.hybrid_min_match)
-            probe.start(text[:position])
-            token = probe.next_token(list(text[:position]))
-            if token is not None:
-                self.right[position] = token == text[position]
+        predictions = lookup_predictions(text, prompt_len, settings.hybrid_min_match, settings.max_ngram)
+        # position -> whether the lookup's prediction there was the text's token
+        self.right = {position: token == text[position] for position, token in predictions.items()}
 
     def propose(self, ids: list[int], gamma: int, limit: int, generator_at):
         last = max((p for p in self.right if p < len(ids)), default=None)

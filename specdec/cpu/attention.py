@@ -6,12 +6,12 @@ path has a mask and then copies every key and value head `num_key_value_groups` 
 layer: Qwen2.5-1.5B (12 query heads, 2 key/value heads) copies its whole cache six-fold twice per layer, about
 10 ms of a 350 ms verification. torch's SDPA takes grouped heads directly (`enable_gqa=True`), with the same
 results. And one masked call over all new tokens sums in another order than decoding them one by one does, so
-with the plain causal mask (one sequence, no padding) each new token gets the unmasked call that decoding it makes
-(`one_query_attention`, which a decoded token gets too, and which is 2-10x faster than torch's one-query call
-with `enable_gqa` on CPU): with the few-rows linears (specdec.cpu.linear), a verification forward gives bitwise the logits
-of target-only decoding, float32 or bfloat16, and greedy speculative output equals greedy target-only output by
-construction, not only away from near ties. Padded masks keep the single grouped call. The function is
-registered through transformers' AttentionInterface under its own name and selected per model
+with the plain causal mask (one sequence, no padding) each new token gets the unmasked call that decoding it
+makes (`one_query_attention`, which a decoded token gets too, and which is 2-10x faster than torch's one-query
+call with `enable_gqa` on CPU): with the few-rows linears (specdec.cpu.linear), a verification forward gives
+bitwise the logits of target-only decoding, float32 or bfloat16, and greedy speculative output equals greedy
+target-only output by construction, not only away from near ties. Padded masks keep the single grouped call. The
+function is registered through transformers' AttentionInterface under its own name and selected per model
 (`set_attn_implementation`), so other models in the process keep the library's behaviour.
 """
 
@@ -37,12 +37,12 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     plain = all(kwargs.get(name) is None for name in ("position_bias", "softcap")) \
         and not kwargs.get("output_attentions", False)
     rows, keys = query.shape[2], key.shape[2]
-    if plain and (rows == 1 and attention_mask is None or 0 < rows < keys and is_causal_mask(attention_mask, rows,
-                                                                                            keys)):
+    one_by_one = rows == 1 and attention_mask is None or 0 < rows < keys and is_causal_mask(attention_mask, rows, keys)
+    if plain and one_by_one:
         # Each query row gets the call that decoding its token makes, on the same keys and values, so the output
         # is bitwise the same whatever the number of rows; one masked call over all rows sums in another order
-        # (1e-6 apart in float32, a rounding step of bfloat16). More small calls per layer: 1-7% of a 5-7 token
-        # verification of the default target in `python -m bench.attention` runs, whose noise is as large
+        # (1e-6 apart in float32, a rounding step of bfloat16). A 5-token verification of the default target at
+        # 450 cached tokens costs about what one masked call does (`python -m bench.attention`)
         out = torch.cat([one_query_attention(query[:, :, i:i + 1], key[:, :, :keys - rows + i + 1],
                                              value[:, :, :keys - rows + i + 1], dropout, scaling)
                          for i in range(rows)], dim=2)

@@ -47,14 +47,7 @@ from specdec.adaptive import expected_speedup, fit_alpha
 from specdec.engine import LookupSettings, SpeculativeDecoder
 from specdec.errors import SpecDecError
 from specdec.kv_cache import input_device
-from specdec.loading import (
-    DRAFT_QUANTIZATIONS,
-    load_pair,
-    prepare_draft,
-    quantizes_draft,
-    use_cpu_kernels,
-    use_stock_kernels,
-)
+from specdec.loading import DRAFT_QUANTIZATIONS, load_pair, prepare_draft, use_cpu_kernels, use_stock_kernels
 from specdec.params import DRAFTERS, VERIFICATIONS, SamplingParams
 from specdec.text import encode_prompt
 from specdec.verification import EXPECTED_ACCEPTED
@@ -143,8 +136,6 @@ def ours_draft(draft, draft_quantization: str):
     if input_device(draft).type != "cpu":
         return draft
     ours = copy.deepcopy(draft)
-    if quantizes_draft(input_device(draft), next(draft.parameters()).dtype, draft_quantization):
-        ours.float()  # as load_pair loads a draft it quantizes, beside a bfloat16 target too
     prepare_draft(ours, draft_quantization)
     return ours
 

@@ -586,10 +586,14 @@ def apply_cpu_kernels(draft_model, target_model, draft_quantization: str = "none
 
 
 def prepare_draft(draft_model, draft_quantization: str = "none", cpu_kernels: bool = True) -> None:
-    """The draft's half of `apply_cpu_kernels`: int8 if asked, then CPU kernels for what stays float32."""
+    """The draft's half of `apply_cpu_kernels`: int8 if asked and it applies (`quantizes_draft`; a bfloat16 draft
+    made float32 first, as `load_draft` loads one), then CPU kernels for what stays float."""
     from .cpu.linear import quantize_linears
 
-    if draft_quantization == "int8":
+    param = next(draft_model.parameters())
+    if quantizes_draft(param.device, param.dtype, draft_quantization):
+        if param.dtype != torch.float32:  # not one that load_draft gave, already float32
+            draft_model.float()
         quantize_linears(draft_model)
     if cpu_kernels:
         use_cpu_kernels(draft_model)

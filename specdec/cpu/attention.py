@@ -37,7 +37,7 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     plain = all(kwargs.get(name) is None for name in ("position_bias", "softcap")) \
         and not kwargs.get("output_attentions", False)
     rows, keys = query.shape[2], key.shape[2]
-    one_by_one = rows == 1 and attention_mask is None or 0 < rows < keys and is_causal_mask(attention_mask, rows, keys)
+    one_by_one = rows == 1 and attention_mask is None or rows < keys and is_causal_mask(attention_mask, rows, keys)
     if plain and one_by_one:
         # Each query row gets the call that decoding its token makes, on the same keys and values, so the output
         # is bitwise the same whatever the number of rows; one masked call over all rows sums in another order

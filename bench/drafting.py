@@ -25,6 +25,7 @@ from specdec.drafters import HybridDrafter, LookupDrafter, LookupSettings
 from specdec.engine import SpeculativeDecoder
 from specdec.kv_cache import CachedModel
 
+from .agreement import lookup_predictions
 from .benchmark import DEFAULT_PROMPTS, GROUNDED_PROMPTS, encode, forward_ms_by_width, load_prompts, machine_info
 
 WRONG = -1  # stands for a draft proposal after the first mismatch: never the target's token
@@ -79,8 +80,6 @@ class GatedHybrid(HybridDrafter):
     position's prediction is looked up once, on the text, whose prefixes the committed sequences are."""
 
     def __init__(self, model, lookup: LookupDrafter, settings: LookupSettings, text: list[int], prompt_len: int):
-        from .agreement import lookup_predictions
-
         super().__init__(model, lookup, settings)
         predictions = lookup_predictions(text, prompt_len, settings.hybrid_min_match, settings.max_ngram)
         # position -> whether the lookup's prediction there was the text's token

@@ -370,17 +370,81 @@ def block_gains(scored: list[dict]) -> tuple[float | None, float]:
     return (block / token - 1 if token > 0 else None), (blocks + block) / (blocks + token) - 1
 
 
-def block_gain_interval(by_prompt: list[list[dict]], level: float = 0.9, draws: int = 2000,
-                        seed: int = 0) -> list[float]:
-    """A bootstrap interval over prompts for the gain in tokens per round (block_gains' second figure): the
-    prompts (each with all its runs' scored blocks) resampled with replacement `draws` times. The gain of one
-    drawn block varies a lot, and blocks of one prompt are alike, so prompts are the unit; the interval shows
-    how far one run's figure can be from another's on other prompts or seeds."""
+def bootstrap_interval(by_prompt: list[list], statistic, level: float = 0.9, draws: int = 2000,
+                       seed: int = 0) -> list[float]:
+    """The `level` interval of statistic(items) over `draws` resamples of the prompts with replacement, each
+    prompt with all its items (its runs, or their scored blocks): prompts are the unit, since one prompt's items
+    are alike and prompts differ more."""
     rng = random.Random(seed)
-    gains = sorted(block_gains([e for prompt in rng.choices(by_prompt, k=len(by_prompt)) for e in prompt])[1]
-                   for _ in range(draws))
+    values = sorted(statistic([item for prompt in rng.choices(by_prompt, k=len(by_prompt)) for item in prompt])
+                    for _ in range(draws))
     tail = (1 - level) / 2
-    return [gains[int(tail * (draws - 1))], gains[int((1 - tail) * (draws - 1))]]
+    return [values[int(tail * (draws - 1))], values[int((1 - tail) * (draws - 1))]]
+
+
+def block_gain_interval(by_prompt: list[list[dict]], **options) -> list[float]:
+    """A bootstrap interval over prompts for the gain in tokens per round (block_gains' second figure). The gain
+    of one drawn block varies a lot, and blocks of one prompt are alike; the interval shows how far one run's
+    figure can be from another's on other prompts or seeds."""
+    return bootstrap_interval(by_prompt, lambda scored: block_gains(scored)[1], **options)
+
+
+PAIRED_BASELINES = ("target", "hf_lookup", "model-token")  # issue 18 set its targets against these three
+
+
+def _pooled(pairs: list[tuple[float, float, float, float]]) -> float:
+    """(tokens_a, seconds_a, tokens_b, seconds_b) runs: a's tokens/s over b's, all tokens over all seconds."""
+    tokens_a, seconds_a, tokens_b, seconds_b = (sum(column) for column in zip(*pairs))
+    return (tokens_a / seconds_a) / (tokens_b / seconds_b)
+
+
+def paired_speedup(by_prompt: list[list[tuple[float, float, float, float]]],
+                   **options) -> tuple[float, list[float]]:
+    """Method a against baseline b on the same prompts: the pooled ratio of tokens/s, and its bootstrap interval
+    over prompts (each with all its repeats' pairs). A ratio whose interval holds 1.0 (or a target) is not shown
+    to beat it by this run."""
+    return _pooled([pair for prompt in by_prompt for pair in prompt]), bootstrap_interval(by_prompt, _pooled,
+                                                                                           **options)
+
+
+def _decode_part(run: dict) -> tuple[float, float] | None:
+    """A run's tokens and seconds after its first round (the prompt's prefill), where it reports that round."""
+    if run.get("first_chunk_seconds") is None or run.get("first_chunk_tokens") is None:
+        return None
+    tokens, seconds = run["new_tokens"] - run["first_chunk_tokens"], run["total_seconds"] - run["first_chunk_seconds"]
+    return (tokens, seconds) if tokens > 0 and seconds > 0 else None
+
+
+def paired(rows: dict, by_method: dict) -> None:
+    """Each method (draft-only aside) against each of PAIRED_BASELINES run on the same prompts and repeats:
+    pooled ratio and 90% interval over prompts (paired_speedup), over whole requests and past the first round."""
+    def keyed(method):
+        return {(r.get("prompt"), r.get("repeat")): r for r in by_method.get(method, [])
+                if r["new_tokens"] and r["total_seconds"] > 0}
+
+    for i, baseline in enumerate(PAIRED_BASELINES):
+        base = keyed(baseline)
+        for method, row in rows.items():
+            # draft-only does not sample the target's distribution; an earlier baseline has its own table
+            if method in ("draft", *PAIRED_BASELINES[:i + 1]) or not base:
+                continue
+            whole: dict = {}
+            decode: dict = {}
+            for key, run in keyed(method).items():
+                if key not in base:
+                    continue
+                other = base[key]
+                whole.setdefault(key[0], []).append((run["new_tokens"], run["total_seconds"], other["new_tokens"],
+                                                     other["total_seconds"]))
+                if (a := _decode_part(run)) and (b := _decode_part(other)):
+                    decode.setdefault(key[0], []).append(a + b)
+            if not whole:
+                continue
+            pooled, interval = paired_speedup(list(whole.values()))
+            entry = {"prompts": len(whole), "pooled": pooled, "interval": interval}
+            if len(decode) == len(whole):
+                entry["decode_pooled"], entry["decode_interval"] = paired_speedup(list(decode.values()))
+            row.setdefault("paired", {})[baseline] = entry
 
 
 def summarise(runs: list[dict], gamma: int) -> dict:
@@ -471,6 +535,7 @@ def summarise(runs: list[dict], gamma: int) -> dict:
             if row.get("leviathan_bound") and row.get("speedup_vs_target"):
                 row["efficiency"] = row["speedup_vs_target"] / row["leviathan_bound"]
         per_prompt(rows, by_method, c)
+        paired(rows, by_method)
         if mode == "greedy":
             same_as_target(rows, by_method)
         sweep = {}
@@ -494,6 +559,9 @@ def markdown(report: dict) -> str:
 
     def interval(bounds):
         return "-" if not bounds else f"{pct(bounds[0])} to {pct(bounds[1])}"
+
+    def ratio_interval(bounds):
+        return "-" if not bounds else f"{bounds[0]:.2f}x to {bounds[1]:.2f}x"
 
     def shares(row):
         share = row.get("round_share_by_drafter") or {}
@@ -565,6 +633,18 @@ def markdown(report: dict) -> str:
                           f"| {times(row.get('prompt_speedup_vs_hf_lookup'))} "
                           f"| {times(row.get('prompt_speedup_vs_hf_assisted'))} | {fmt(row.get('prompt_efficiency'))} |"
                           for m, row in paired.items()]
+            for baseline in PAIRED_BASELINES:
+                against = {m: row["paired"][baseline] for m, row in rows.items() if baseline in row.get("paired", {})}
+                if not against:
+                    continue
+                lines += ["", f"Paired with {baseline} on the same prompts and repeats: tokens/s over {baseline}'s, "
+                          "pooled (all tokens over all seconds), with a 90% interval that resamples the prompts "
+                          "(bootstrap); the same past the first round (the prompt's prefill).", "",
+                          "| method | prompts | pooled | 90% interval | past the first round | 90% interval |",
+                          "|---|---|---|---|---|---|"]
+                lines += [f"| {m} | {p['prompts']} | {times(p['pooled'])} | {ratio_interval(p['interval'])} "
+                          f"| {times(p.get('decode_pooled'))} | {ratio_interval(p.get('decode_interval'))} |"
+                          for m, p in against.items()]
             scored = {m: row for m, row in rows.items() if row.get("block_gain_accepted") is not None}
             if scored:
                 lines += ["", "Block verification on the same proposals: expected accepted tokens per round, and "

@@ -318,6 +318,49 @@ def test_block_gain_interval_resamples_prompts_as_units():
     assert bench.block_gain_interval(paired) == pytest.approx([0.0, 0.0])
 
 
+def test_paired_speedup_pools_requests_and_resamples_prompts_as_units():
+    # (tokens_a, seconds_a, tokens_b, seconds_b): a twice b's rate on every prompt, so every resample says 2x
+    same = [[(64, 4.0, 64, 8.0)], [(32, 1.0, 32, 2.0), (64, 2.0, 64, 4.0)]]
+    pooled, interval = bench.paired_speedup(same)
+    assert pooled == pytest.approx(2.0) and interval == pytest.approx([2.0, 2.0])
+    # pooled is all tokens over all seconds, not a mean of ratios: 128 tokens in 5 s against 128 in 10 s
+    assert bench.paired_speedup([[(64, 1.0, 64, 8.0)], [(64, 4.0, 64, 2.0)]])[0] == pytest.approx(2.0)
+    # one prompt at 3x, one at 0.5x: the interval spans both, the pooled figure inside it
+    mixed = [[(60, 2.0, 60, 6.0)], [(60, 6.0, 60, 3.0)]] * 4
+    pooled, (low, high) = bench.paired_speedup(mixed)
+    assert 0.5 <= low < pooled < high <= 3.0
+    # the repeats of one prompt stay together: a fast and a slow repeat that cancel give no spread at all
+    paired = [[(60, 1.0, 60, 2.0), (60, 4.0, 60, 2.0)]] * 8
+    pooled, interval = bench.paired_speedup(paired)
+    assert pooled == pytest.approx(0.8) and interval == pytest.approx([0.8, 0.8])
+
+
+def test_summary_pairs_each_method_with_target_only_and_model_drafting_on_the_same_prompts():
+    def run(method, prompt, seconds, first=None, **extra):
+        chunk = {} if first is None else {"first_chunk_seconds": first, "first_chunk_tokens": 1}
+        return {"mode": "greedy", "method": method, "sweep_gamma": None, "prompt": prompt, "repeat": 0,
+                "new_tokens": 11, "total_seconds": seconds, **chunk, **extra}
+
+    runs = [run("target", "a", 6.0, first=1.0), run("model-token", "a", 3.0, first=1.0),
+            run("hybrid-token", "a", 2.0, first=1.0), run("draft", "a", 1.0),
+            run("target", "b", 12.0, first=2.0), run("model-token", "b", 6.0, first=2.0),
+            run("hybrid-token", "b", 6.0, first=2.0),
+            run("hybrid-token", "c", 1.0, first=0.5)]  # no baseline ran on c: left out of every pair
+    methods = bench.summarise(runs, gamma=4)["greedy"]["methods"]
+    hybrid = methods["hybrid-token"]["paired"]
+    assert hybrid["target"]["prompts"] == hybrid["model-token"]["prompts"] == 2
+    assert hybrid["target"]["pooled"] == pytest.approx((22 / 8) / (22 / 18))
+    assert hybrid["model-token"]["pooled"] == pytest.approx((22 / 8) / (22 / 9))
+    # past the first round: 10 tokens in 1 + 4 s against model drafting's 2 + 4
+    assert hybrid["model-token"]["decode_pooled"] == pytest.approx(6 / 5)
+    assert methods["model-token"]["paired"].keys() == {"target"}  # not with itself; HF prompt lookup did not run
+    assert "paired" not in methods["draft"] and "paired" not in methods["target"]
+    report = {"date": "d", "command": "c", "machine": {}, "draft": "d", "target": "t", "prompts": {"default": 3},
+              "max_new_tokens": 11, "repeats": 1, "gamma": 4, "summary": {"default": bench.summarise(runs, 4)}}
+    text = bench.markdown(report)
+    assert "Paired with model-token" in text and f"| hybrid-token | 2 | {hybrid['model-token']['pooled']:.2f}x" in text
+
+
 def test_summary_steady_state_leaves_out_the_first_round():
     runs = [{"mode": "greedy", "method": "target", "sweep_gamma": None, "new_tokens": 11, "total_seconds": 2.0,
              "first_chunk_seconds": 1.0, "first_chunk_tokens": 1, "decode_tokens_per_second": 10.0},

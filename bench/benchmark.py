@@ -58,6 +58,7 @@ HF_METHODS = ("hf_lookup", "hf_assisted")
 EXTRA_METHODS = ("google", "deepmind", "adaptive", "hf_target", "hf_assisted_own_memory")  # on request
 HF_ALL = ("hf_lookup", "hf_assisted", "hf_target", "hf_assisted_own_memory")
 HF_PROMPT_LOOKUP_TOKENS = 10
+PAIRED_BASELINES = ("target", "hf_lookup", "model-token")  # issue 18 set its targets against these three
 MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
          "sampling": dict(temperature=0.7, top_k=0, top_p=0.9),
          "t0.7": dict(temperature=0.7, top_k=0, top_p=1.0)}  # on request: T=0.7 over the whole vocabulary
@@ -387,9 +388,6 @@ def block_gain_interval(by_prompt: list[list[dict]], **options) -> list[float]:
     of one drawn block varies a lot, and blocks of one prompt are alike; the interval shows how far one run's
     figure can be from another's on other prompts or seeds."""
     return bootstrap_interval(by_prompt, lambda scored: block_gains(scored)[1], **options)
-
-
-PAIRED_BASELINES = ("target", "hf_lookup", "model-token")  # issue 18 set its targets against these three
 
 
 def _pooled(pairs: list[tuple[float, float, float, float]]) -> float:

@@ -311,21 +311,24 @@ def per_forward_ms(runs: list[dict], role: str) -> float | None:
     return 1e3 * seconds / forwards if forwards else None
 
 
+def runs_by_prompt(by_method: dict, method: str) -> dict:
+    """(prompt, repeat) -> that method's run, for runs that generated something in measurable time."""
+    return {(r.get("prompt"), r.get("repeat")): r for r in by_method.get(method, [])
+            if r["new_tokens"] and r["total_seconds"] > 0}
+
+
 def per_prompt(rows: dict, by_method: dict, c: float | None) -> None:
     """Medians over prompts (and repeats) of each method's own ratios: speedup over our target-only and over HF
     assisted on the same prompt, and efficiency against the bound for that prompt's alpha and gamma (with the
     run's c). The headline efficiency instead sets a median speedup against the bound for the alpha pooled over
     all prompts, where prompts with low acceptance weigh more (they run more rounds); when acceptance varies from
     prompt to prompt, the two can differ either way."""
-    def keyed(method):
-        return {(r.get("prompt"), r.get("repeat")): r for r in by_method.get(method, []) if r["new_tokens"]}
-
     def rate(r):
         return r["new_tokens"] / r["total_seconds"]
 
-    target, hf_assisted, hf_lookup = keyed("target"), keyed("hf_assisted"), keyed("hf_lookup")
+    target, hf_assisted, hf_lookup = (runs_by_prompt(by_method, m) for m in ("target", "hf_assisted", "hf_lookup"))
     for method, row in rows.items():
-        runs = keyed(method)
+        runs = runs_by_prompt(by_method, method)
         speedups = [rate(r) / rate(target[k]) for k, r in runs.items() if k in target]
         if speedups:
             row["prompt_speedup_vs_target"] = statistics.median(speedups)
@@ -416,19 +419,15 @@ def _decode_part(run: dict) -> tuple[float, float] | None:
 def paired(rows: dict, by_method: dict) -> None:
     """Each method (draft-only aside) against each of PAIRED_BASELINES run on the same prompts and repeats:
     pooled ratio and 90% interval over prompts (paired_speedup), over whole requests and past the first round."""
-    def keyed(method):
-        return {(r.get("prompt"), r.get("repeat")): r for r in by_method.get(method, [])
-                if r["new_tokens"] and r["total_seconds"] > 0}
-
     for i, baseline in enumerate(PAIRED_BASELINES):
-        base = keyed(baseline)
+        base = runs_by_prompt(by_method, baseline)
         for method, row in rows.items():
             # draft-only does not sample the target's distribution; an earlier baseline has its own table
             if method in ("draft", *PAIRED_BASELINES[:i + 1]) or not base:
                 continue
             whole: dict = {}
             decode: dict = {}
-            for key, run in keyed(method).items():
+            for key, run in runs_by_prompt(by_method, method).items():
                 if key not in base:
                     continue
                 other = base[key]

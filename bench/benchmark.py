@@ -439,7 +439,8 @@ def paired(rows: dict, by_method: dict) -> None:
                 continue
             pooled, interval = paired_speedup(list(whole.values()))
             entry = {"prompts": len(whole), "pooled": pooled, "interval": interval}
-            if len(decode) == len(whole):
+            # past the first round only where every paired run reports it: the same runs as the whole figure
+            if sum(map(len, decode.values())) == sum(map(len, whole.values())):
                 entry["decode_pooled"], entry["decode_interval"] = paired_speedup(list(decode.values()))
             row.setdefault("paired", {})[baseline] = entry
 

@@ -359,6 +359,11 @@ def test_summary_pairs_each_method_with_target_only_and_model_drafting_on_the_sa
               "max_new_tokens": 11, "repeats": 1, "gamma": 4, "summary": {"default": bench.summarise(runs, 4)}}
     text = bench.markdown(report)
     assert "Paired with model-token" in text and f"| hybrid-token | 2 | {hybrid['model-token']['pooled']:.2f}x" in text
+    # a second repeat of prompt a without its first round: no figure past the first round on fewer runs
+    runs += [{**r, "repeat": 1, "first_chunk_seconds": None} if r["method"] == "hybrid-token" else {**r, "repeat": 1}
+             for r in runs if r["prompt"] == "a"]
+    again = bench.summarise(runs, gamma=4)["greedy"]["methods"]["hybrid-token"]["paired"]["model-token"]
+    assert again["prompts"] == 2 and "pooled" in again and "decode_pooled" not in again
 
 
 def test_summary_steady_state_leaves_out_the_first_round():

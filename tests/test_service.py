@@ -370,7 +370,8 @@ def test_a_request_that_came_in_before_the_drain_is_served(pair):
     before = RequestRecord("before-the-drain")
     service.drain()
     prompt = service.encode("Who is")
-    generation = service.generation(prompt, service.settings.sampling.replace(max_new_tokens=3), before)
+    # seeded: a sampled <eos> would end it before its 3 tokens (seen once unseeded)
+    generation = service.generation(prompt, service.settings.sampling.replace(max_new_tokens=3, seed=1), before)
     generation.run()
     generation.close()
     assert len(generation.completion.tokens) == 3 and service.idle

@@ -9,7 +9,7 @@ LINT_VENV := .venv-lint
 LINT_INSTALLED := $(LINT_VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv models serve test unit integration bench bench-quick stress lint lint-docker lint-deploy clean
+.PHONY: venv models serve test unit bench stress lint lint-docker lint-deploy clean
 
 $(INSTALLED): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -18,7 +18,7 @@ def __getattr__(name):
 
         return getattr(engine, name)
     if name == "load_pair":
-        from .loading import load_pair
+        from .models.pair import load_pair
 
         return load_pair
     raise AttributeError(f"module 'specdec' has no attribute {name!r}")

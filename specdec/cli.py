@@ -252,7 +252,7 @@ def lookup_settings(args) -> LookupSettings:
 def run(args, out=None) -> int:
     """Load the pair, decode with each method, print; errors propagate to main."""
     from .engine import SpeculativeDecoder
-    from .loading import load_pair
+    from .models.pair import load_pair
 
     out = sys.stdout if out is None else out
     lookup = lookup_settings(args)  # checked before the models load
@@ -302,7 +302,7 @@ def main(argv=None, prog: str = "main.py") -> int:
         return exit.code if isinstance(exit.code, int) else 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s",
                         stream=sys.stderr)
-    logging.getLogger("specdec.default_pair").setLevel(logging.INFO)  # a first-run conversion shows its progress
+    logging.getLogger("specdec.models.default_pair").setLevel(logging.INFO)  # a first-run conversion shows its progress
     try:
         return run(args)
     except SpecDecError as error:

@@ -20,7 +20,7 @@ from specdec.cpu.linear import (
     quantize_linears,
     unpack_linears,
 )
-from specdec.loading import use_cpu_kernels
+from specdec.models.kernels import use_cpu_kernels
 from tests.support.models import ARCHITECTURES, make_model, perturbed_copy
 
 HAS_TOOLCHAIN = bool((shutil.which("c++") or shutil.which("g++")) and shutil.which("ninja"))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from specdec import SpeculativeDecoder, load_pair
-from specdec.default_pair import DRAFT, MARKER, TARGET, default_pair_paths, is_ready
+from specdec.models.default_pair import DRAFT, MARKER, TARGET, default_pair_paths, is_ready
 from specdec.params import DRAFTERS, VERIFICATIONS
 
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("real_models")]

@@ -6,8 +6,10 @@ import sys
 
 import pytest
 
-from specdec import SpecDecError, default_pair
-from specdec.default_pair import MARKER, GGUFSource, is_ready, join_parts, prepare_model
+from specdec import SpecDecError
+from specdec import default_pair as command
+from specdec.models import cache, default_pair
+from specdec.models.default_pair import MARKER, GGUFSource, is_ready, join_parts, prepare_model
 
 
 @pytest.fixture
@@ -116,7 +118,7 @@ def test_cache_location(monkeypatch, tmp_path):
     assert default_pair.model_dir(default_pair.TARGET) == tmp_path / "qwen2.5-coder-1.5b-instruct"
     monkeypatch.delenv("SPECDEC_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert default_pair.cache_root() == tmp_path / ".cache" / "specdec"
+    assert cache.cache_root() == tmp_path / ".cache" / "specdec"
 
 
 def test_pinned_sources_match_models_md():
@@ -129,26 +131,26 @@ def test_quick_prepare_trusts_a_whole_int8_form_to_loading_and_builds_a_missing_
         monkeypatch, tmp_path, capsys):
     import struct
 
-    from specdec import loading
+    from specdec.models import load
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(default_pair, "prepare_model", lambda source, force=False: default_pair.model_dir(source))
     built = []
-    monkeypatch.setattr(loading, "keep_int8_draft", lambda source: built.append(source.path) or "kept")
-    form = default_pair.int8_form_path(default_pair.model_dir(default_pair.DRAFT))
+    monkeypatch.setattr(load, "keep_int8_draft", lambda source: built.append(source.path) or "kept")
+    form = cache.int8_form_path(default_pair.model_dir(default_pair.DRAFT))
 
-    assert default_pair.main(["prepare", "--quick"]) == 0 and len(built) == 1  # no form yet: built
+    assert command.main(["prepare", "--quick"]) == 0 and len(built) == 1  # no form yet: built
     header = json.dumps({"w": {"dtype": "I8", "shape": [2, 2], "data_offsets": [0, 4]}}).encode()
     form.parent.mkdir(parents=True)
     form.write_bytes(struct.pack("<Q", len(header)) + header + b"\x01\x02\x03")  # one byte short
-    assert default_pair.main(["prepare", "--quick"]) == 0 and len(built) == 2  # truncated: built again
+    assert command.main(["prepare", "--quick"]) == 0 and len(built) == 2  # truncated: built again
     form.write_bytes(struct.pack("<Q", len(header)) + header + b"\x01\x02\x03\x04")
     capsys.readouterr()
-    assert default_pair.main(["prepare", "--quick"]) == 0 and len(built) == 2  # whole: left to loading
+    assert command.main(["prepare", "--quick"]) == 0 and len(built) == 2  # whole: left to loading
     assert "checked when loaded" in capsys.readouterr().out
-    assert default_pair.main(["prepare"]) == 0 and len(built) == 3  # without --quick the key is checked
+    assert command.main(["prepare"]) == 0 and len(built) == 3  # without --quick the key is checked
     with pytest.raises(SystemExit):
-        default_pair.main(["prepare", "--quick", "--force"])
+        command.main(["prepare", "--quick", "--force"])
 
 
 def test_the_quick_prepare_imports_no_torch(tmp_path):
@@ -158,13 +160,15 @@ def test_the_quick_prepare_imports_no_torch(tmp_path):
 
     code = textwrap.dedent("""
         import json, struct, sys
-        from specdec import default_pair
+        from specdec import default_pair as command
+        from specdec.models import default_pair
+        from specdec.models.cache import int8_form_path
         default_pair.prepare_model = lambda source, force=False: default_pair.model_dir(source)  # as if converted
-        form = default_pair.int8_form_path(default_pair.model_dir(default_pair.DRAFT))
+        form = int8_form_path(default_pair.model_dir(default_pair.DRAFT))
         form.parent.mkdir(parents=True)
         header = json.dumps({"w": {"dtype": "I8", "shape": [4], "data_offsets": [0, 4]}}).encode()
         form.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
-        assert default_pair.main(["prepare", "--quick"]) == 0
+        assert command.main(["prepare", "--quick"]) == 0
         print(sorted(name for name in ("torch", "transformers") if name in sys.modules))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,

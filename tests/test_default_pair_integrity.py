@@ -11,8 +11,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specdec import SpecDecError, default_pair
-from specdec.default_pair import MARKER, GGUFSource, integrity_problem, safetensors_problem
+from specdec import SpecDecError
+from specdec import default_pair as command
+from specdec.models import default_pair
+from specdec.models.checkpoint import safetensors_problem
+from specdec.models.default_pair import MARKER, GGUFSource, integrity_problem
 
 
 def write_weights(path, rows: int = 4) -> None:
@@ -124,7 +127,7 @@ def test_an_older_marker_without_sizes_still_catches_a_truncated_file(fake_pair)
 def test_a_damaged_cache_is_converted_again_when_the_parts_are_installed(fake_pair, caplog):
     target_dir, conversions = fake_pair
     truncate(target_dir / "model.safetensors")
-    with caplog.at_level(logging.WARNING, logger="specdec.default_pair"):
+    with caplog.at_level(logging.WARNING, logger="specdec.models.default_pair"):
         draft_dir, target = default_pair.default_pair_paths()
     assert conversions == ["faketarget.gguf"] and target == str(target_dir)
     assert integrity_problem(target_dir) is None
@@ -148,7 +151,7 @@ def test_a_damaged_cache_without_the_parts_is_refused_with_the_fix(fake_pair, mo
 
 def test_start_up_refuses_a_damaged_cache_with_the_message(fake_pair, monkeypatch):
     """What the service and the CLI see: load_pair("default") fails with the same SpecDecError."""
-    from specdec.loading import load_pair
+    from specdec import load_pair
 
     target_dir, _ = fake_pair
     truncate(target_dir / "model.safetensors")
@@ -161,5 +164,5 @@ def test_start_up_refuses_a_damaged_cache_with_the_message(fake_pair, monkeypatc
 def test_status_reports_a_damaged_cache(fake_pair, capsys):
     target_dir, _ = fake_pair
     truncate(target_dir / "model.safetensors")
-    assert default_pair.main(["status"]) == 0
+    assert command.main(["status"]) == 0
     assert f"target: {target_dir} damaged: model.safetensors has 100 bytes" in capsys.readouterr().out

@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from specdec import default_pair
+from specdec.models import cache
 from specdec.serve.config import CONFIG_ENV, ENV_PREFIX, Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
 # SPECDEC_ variables that are not settings, and what reads them
-NOT_SETTINGS = {CONFIG_ENV: "config.load_settings (a settings file)", "SPECDEC_CACHE": "default_pair.cache_root"}
+NOT_SETTINGS = {CONFIG_ENV: "config.load_settings (a settings file)", "SPECDEC_CACHE": "models.cache.cache_root"}
 COMPOSE_DURATION = re.compile(r"(\d+(?:\.\d+)?)(us|ms|s|m|h)")
 SECONDS = {"us": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
 
@@ -115,7 +115,7 @@ def test_environment_is_settings(name, monkeypatch, tmp_path):
         env = {**env, "SPECDEC_API_KEYS_FILE": str(tmp_path / "api-keys")}
     settings_of(env)  # raises ConfigError naming the variable if a value is invalid
     monkeypatch.setenv("SPECDEC_CACHE", env["SPECDEC_CACHE"])
-    assert default_pair.cache_root() == Path(env["SPECDEC_CACHE"])
+    assert cache.cache_root() == Path(env["SPECDEC_CACHE"])
 
 
 def test_an_unknown_variable_is_caught():

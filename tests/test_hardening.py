@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import specdec.loading
+import specdec.models.pair
 from specdec.serve import create_app
 from specdec.serve.config import load_settings
 from specdec.serve.protocol import PredictRequest
@@ -262,14 +262,14 @@ def test_the_server_binds_localhost_unless_configured(monkeypatch):
 
 
 def test_trust_remote_code_is_off_by_default(monkeypatch, pair):
-    assert inspect.signature(specdec.loading.load_pair).parameters["trust_remote_code"].default is False
+    assert inspect.signature(specdec.models.pair.load_pair).parameters["trust_remote_code"].default is False
     calls = []
 
     def recording_load_pair(**kwargs):
         calls.append(kwargs)
         return pair
 
-    monkeypatch.setattr(specdec.loading, "load_pair", recording_load_pair)
+    monkeypatch.setattr(specdec.models.pair, "load_pair", recording_load_pair)
     app = create_app()  # the service's own loader, not an injected one
     assert app.extensions["specdec"].wait_until_loaded(30)
     assert len(calls) == 1 and not calls[0].get("trust_remote_code", False)

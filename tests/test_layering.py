@@ -11,9 +11,15 @@ PACKAGE = Path(__file__).resolve().parent.parent / "specdec"
 LAYERS = {
     0: ("errors", "params", "stats", "sampling", "verification", "adaptive"),  # the math and the contracts
     1: ("kv_cache", "cpu", "threads"),  # models' caches, the CPU kernels, OS threads
-    2: ("engine", "drafters", "loading", "weights", "default_pair", "text"),  # the engine and what feeds it
-    3: ("cli", "serve", "__main__", "__init__"),  # the interfaces
+    2: ("engine", "drafters", "models", "text"),  # the engine and what feeds it
+    3: ("cli", "serve", "default_pair", "__main__", "__init__"),  # the interfaces (default_pair: the prepare command)
 }
+# Model loading, one module per job: a module of specdec.models may import only those before it.
+MODELS = ("startup", "cache", "checkpoint", "default_pair", "weights", "sources", "tokenizers", "memory",
+          "quantization", "kernels", "load", "pair")
+# The modules that must stay free of torch (make serve checks the cache with them before torch is imported).
+TORCH_FREE = ("specdec.models.cache", "specdec.models.checkpoint", "specdec.models.default_pair",
+              "specdec.models.startup", "specdec.default_pair")
 APART = ("cli", "serve")  # the two interfaces know nothing of each other
 
 
@@ -22,12 +28,13 @@ def layer_of(module: str) -> int:
     return next(layer for layer, names in LAYERS.items() if top in names)
 
 
-def imports(path: Path) -> set[str]:
-    """Every module `path` imports, absolute ("specdec.engine", "torch", ...)."""
+def imports(path: Path, at_import: bool = False) -> set[str]:
+    """Every module `path` imports, absolute ("specdec.engine", "torch", ...); with `at_import`, only those imported
+    when the module itself is (not inside a function)."""
     module = "specdec." + ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in _nodes(ast.parse(path.read_text(encoding="utf-8")), at_import):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -40,6 +47,14 @@ def imports(path: Path) -> set[str]:
             found.update(f"{target}.{alias.name}" for alias in node.names
                          if (PACKAGE.parent / (target + "." + alias.name).replace(".", "/")).with_suffix(".py").exists())
     return found
+
+
+def _nodes(tree: ast.AST, at_import: bool):
+    """The tree's nodes; with `at_import`, none inside a function's body."""
+    for child in ast.iter_child_nodes(tree):
+        yield child
+        if not (at_import and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            yield from _nodes(child, at_import)
 
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
@@ -58,6 +73,84 @@ def test_imports_point_down(path):
         mine, theirs = module.split(".")[1:2], target.split(".")[1:2]
         if mine and theirs and mine != theirs:
             assert not (mine[0] in APART and theirs[0] in APART), f"{module} imports {target}"
+
+
+def module_name(path: Path, package: Path = PACKAGE) -> str:
+    return "specdec." + ".".join(path.relative_to(package).with_suffix("").parts)
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Each module of the package and the package's modules it imports, at the top or inside a function. An
+    import of a package (its __init__) is left out: `from . import verification` names the module, and the
+    package's own __init__ imports its modules lazily."""
+    paths = sorted(package.rglob("*.py"))
+    modules = {module_name(path, package) for path in paths if path.name != "__init__.py"}
+    return {module_name(path, package): {target for target in imports(path) if target in modules}
+            for path in paths if path.name != "__init__.py"}
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of the graph, as the modules along it, or None."""
+    done, path = set(), []
+
+    def visit(module):
+        if module in path:
+            return path[path.index(module):] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            circle = visit(target)
+            if circle:
+                return circle
+        path.pop()
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        circle = visit(module)
+        if circle:
+            return circle
+    return None
+
+
+def test_no_import_circle():
+    assert find_circle(import_graph()) is None, " -> ".join(find_circle(import_graph()))
+
+
+def test_the_circle_check_sees_a_circle():
+    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "models").glob("*.py")), ids=lambda p: p.name)
+def test_model_loading_imports_point_down(path):
+    if path.name == "__init__.py":
+        assert imports(path) == set(), "specdec/models/__init__.py imports nothing (its torch-free modules stay so)"
+        return
+    mine = MODELS.index(path.stem)
+    for target in imports(path):
+        if target.startswith("specdec.models."):
+            theirs = target.split(".")[2]
+            assert MODELS.index(theirs) < mine, f"models.{path.stem} imports models.{theirs}, which comes after it"
+
+
+@pytest.mark.parametrize("module", TORCH_FREE)
+def test_torch_free_modules_import_no_torch(module):
+    """Nor through any specdec module they import when imported (a function may import torch when it runs:
+    converting the pair does)."""
+    seen, todo = set(), [module]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        path = PACKAGE.parent / (current.replace(".", "/") + ".py")
+        found = imports(path, at_import=True)
+        assert not {target.split(".")[0] for target in found} & {"torch", "transformers"}, \
+            f"{module} imports torch through {current}"
+        todo.extend(target for target in found
+                    if target.startswith("specdec.") and (PACKAGE.parent / target.replace(".", "/")).with_suffix(".py").exists())
 
 
 def test_every_module_has_a_layer():

@@ -10,8 +10,9 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
-from specdec import SpecDecError, SpeculativeDecoder, load_pair, loading
-from specdec.loading import ModelSource, resolve_device, resolve_dtype, resolve_source
+from specdec import SpecDecError, SpeculativeDecoder, load_pair
+from specdec.models import load, memory, pair, sources, tokenizers
+from specdec.models.sources import ModelSource, resolve_device, resolve_dtype, resolve_source
 from tests.support.models import make_model, make_tokenizer
 
 CUDA = torch.cuda.is_available()
@@ -218,15 +219,13 @@ def test_broken_gguf_file_is_one_clear_error(tiny_pair_dirs, tmp_path):
 
 def test_mismatched_tokenizers_fail_before_building_a_model_and_drop_the_targets_read(tiny_pair_dirs, tmp_path,
                                                                                      monkeypatch):
-    from specdec import loading
-
     draft_dir, target_dir = tiny_pair_dirs
     draft_copy = copy_model(draft_dir, tmp_path / "draft", tokenizer=False)
     other_tokenizer(90).save_pretrained(draft_copy)
     started, built = [], []
-    real_read_soon = loading.read_soon
-    monkeypatch.setattr(loading, "read_soon", lambda *a, **k: started.append(real_read_soon(*a, **k)) or started[-1])
-    monkeypatch.setattr(loading, "load_draft", lambda *a, **k: built.append(a))
+    real_read_soon = pair.read_soon
+    monkeypatch.setattr(pair, "read_soon", lambda *a, **k: started.append(real_read_soon(*a, **k)) or started[-1])
+    monkeypatch.setattr(pair, "load_draft", lambda *a, **k: built.append(a))
     with pytest.raises(SpecDecError) as error:
         load_pair(draft_copy, target_dir)
     assert "90" in str(error.value) and "100" in str(error.value)
@@ -260,7 +259,7 @@ def test_mismatched_logit_widths_give_the_engines_error(tiny_pair_dirs, tmp_path
 
 
 def test_unreachable_hub_id_is_one_sentence(tiny_pair_dirs, monkeypatch):
-    monkeypatch.setattr(loading, "hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(sources, "hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(SpecDecError) as error:
         load_pair(tiny_pair_dirs[0], "some-org/no-such-model")
     message = str(error.value)
@@ -270,7 +269,7 @@ def test_unreachable_hub_id_is_one_sentence(tiny_pair_dirs, monkeypatch):
 
 def test_hub_probe_respects_offline_mode(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert loading.hub_reachable() is False
+    assert sources.hub_reachable() is False
 
 
 def test_path_like_names_are_never_sent_to_the_hub(tmp_path):
@@ -284,7 +283,7 @@ def test_aliases_name_the_default_pair(monkeypatch, tmp_path):
     import specdec.default_pair
 
     folders = (str(tmp_path / "draft"), str(tmp_path / "target"))
-    monkeypatch.setattr(specdec.default_pair, "default_pair_paths", lambda prepare=True: folders)
+    monkeypatch.setattr(specdec.models.default_pair, "default_pair_paths", lambda prepare=True: folders)
     assert resolve_source(None, "draft").path == folders[0]
     assert resolve_source("default", "target").path == folders[1]
     assert resolve_source("qwen2.5-coder-0.5b", "target").path == folders[0]
@@ -324,7 +323,7 @@ def test_weights_read_into_own_memory_give_bitwise_the_stock_outputs(tiny_pair_d
 
     _, target_dir = tiny_pair_dirs
     stock = AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    own = loading.load_model(ModelSource(target_dir), "target", torch.device("cpu"), torch.float32, own_memory=True)
+    own = load.load_model(ModelSource(target_dir), "target", torch.device("cpu"), torch.float32, own_memory=True)
     ranges = _mapped_from(".safetensors")
     assert not [n for n, p in own.named_parameters() if any(lo <= p.data_ptr() < hi for lo, hi in ranges)]
     assert own.name_or_path == target_dir and own.generation_config.eos_token_id == stock.generation_config.eos_token_id
@@ -345,8 +344,8 @@ def test_use_own_memory_copies_mapped_weights_one_by_one_bitwise_and_keeps_ties(
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
     mapped_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert loading.use_own_memory(model) == mapped_bytes  # every parameter was mapped
-    assert loading.use_own_memory(model) == 0  # and none is now
+    assert memory.use_own_memory(model) == mapped_bytes  # every parameter was mapped
+    assert memory.use_own_memory(model) == 0  # and none is now
     assert model.lm_head.weight is model.get_input_embeddings().weight
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, expected)
@@ -370,8 +369,8 @@ def test_a_draft_with_other_tokenizer_files_is_loaded_and_checked(tiny_pair_dirs
     draft = copy_model(draft_dir, tmp_path / "draft")
     with open(os.path.join(draft, "tokenizer_config.json"), "a") as config:
         config.write("\n")  # the same tokenizer, other bytes
-    assert not loading.same_tokenizer_files(ModelSource(draft), ModelSource(target_dir))
-    assert loading.same_tokenizer_files(ModelSource(draft_dir), ModelSource(target_dir))
+    assert not tokenizers.same_tokenizer_files(ModelSource(draft), ModelSource(target_dir))
+    assert tokenizers.same_tokenizer_files(ModelSource(draft_dir), ModelSource(target_dir))
     caplog.set_level("INFO", logger="specdec")
     load_pair(draft, target_dir, device="cpu")
     assert any(r.getMessage().startswith("start-up: loaded the draft's tokenizer and checked it") for r in caplog.records)

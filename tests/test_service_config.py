@@ -53,8 +53,8 @@ def test_lookup_settings_default_to_the_measured_ones_and_come_from_the_environm
 
 
 def test_loader_may_be_an_import_path():
-    settings = load_settings(environ={"SPECDEC_LOADER": "specdec.loading:load_pair"})
-    from specdec.loading import load_pair
+    settings = load_settings(environ={"SPECDEC_LOADER": "specdec.models.pair:load_pair"})
+    from specdec.models.pair import load_pair
 
     assert settings.loader is load_pair
 

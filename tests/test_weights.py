@@ -10,10 +10,12 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from specdec import loading
 from specdec.cpu import linear as cpu_linear
-from specdec.loading import ModelSource
-from specdec.weights import ReadyForm, WeightsError, read_header, read_safetensors
+from specdec.models import load as loading
+from specdec.models import quantization
+from specdec.models.checkpoint import WeightsError, read_header
+from specdec.models.sources import ModelSource
+from specdec.models.weights import ReadyForm, read_safetensors
 from tests.support.models import perturbed_copy, save_tiny_pair
 
 pytestmark = pytest.mark.skipif(not cpu_linear.quantization_supported(), reason="no int8 engine in this torch")
@@ -62,7 +64,7 @@ def load(source: ModelSource):
 
 
 def form_of(source: ModelSource) -> ReadyForm:
-    return loading.int8_draft_form(source)
+    return quantization.int8_draft_form(source)
 
 
 # --- reading safetensors into own memory -----------------------------------------------------------------------
@@ -150,8 +152,8 @@ DAMAGES = {
     "other torch": lambda form, monkeypatch, source: monkeypatch.setattr(torch, "__version__", "2.99.0+other"),
     "other machine": lambda form, monkeypatch, source: monkeypatch.setattr(cpu_linear, "_cpu_signature",
                                                                            lambda: "model name: another CPU"),
-    "other code": lambda form, monkeypatch, source: monkeypatch.setattr(loading, "_int8_form_code",
-                                                                        lambda: "0123456789abcdef"),
+    "other code": lambda form, monkeypatch, source: monkeypatch.setattr(quantization, "_int8_form_code",
+                                                                             lambda: "0123456789abcdef"),
 }
 REASONS = {"truncated": "truncated", "wrong hash": "sha256", "wrong shapes": "not the expected ones",
            "not a form": "safetensors", "other torch": "differs in: torch", "other machine": "differs in: cpu",

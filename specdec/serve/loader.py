@@ -15,7 +15,7 @@ from collections.abc import Callable
 from ..engine import SpeculativeDecoder, eos_token_ids
 from ..errors import SpecDecError
 from ..kv_cache import input_device
-from ..loading import startup_step
+from ..models.startup import startup_step
 from .concurrency import EngineThread
 from .config import Settings
 from .errors import ApiError
@@ -102,7 +102,7 @@ class ModelHost:
 
 def load_configured_pair(settings: Settings):
     """specdec.load_pair with the model settings (the default loader)."""
-    from ..loading import load_pair  # the model-loading stack is imported only when a pair is loaded
+    from ..models.pair import load_pair  # the model-loading stack is imported only when a pair is loaded
 
     return load_pair(draft=settings.draft_model, target=settings.target_model, device=settings.device,
                      dtype=settings.dtype, draft_quantization=settings.draft_quantization)

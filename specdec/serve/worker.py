@@ -108,7 +108,7 @@ def ready_cpu_kernel() -> bool:
     stays registered for the loading that follows. Skipped where the pair goes to CUDA; returns whether it is
     ready."""
     from ..errors import SpecDecError
-    from ..loading import resolve_device
+    from ..models.sources import resolve_device
     from .config import ConfigError, load_settings
 
     try:

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .threads import thread_map
+from ..threads import thread_map
+from .checkpoint import WeightsError, read_header
 
 logger = logging.getLogger(__name__)
 
@@ -34,23 +35,6 @@ SAFETENSORS_DTYPES = {
     "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
 }
 READY_METADATA = "specdec_ready"  # the header's __metadata__ entry holding the key and the hashes
-
-
-class WeightsError(ValueError):
-    """A checkpoint or ready form that cannot be used as it is (truncated, wrong hash, shapes or key)."""
-
-
-def read_header(path: Path) -> tuple[dict, int]:
-    """A safetensors file's header and the offset of its data; WeightsError unless the file is whole."""
-    from .default_pair import safetensors_problem
-
-    problem = safetensors_problem(path)
-    if problem:
-        raise WeightsError(f"{path.name}: {problem}")
-    with open(path, "rb") as file:
-        length = int.from_bytes(file.read(8), "little")
-        header = json.loads(file.read(length))
-    return header, 8 + length
 
 
 def _read_into(fd: int, tensor: torch.Tensor, offset: int) -> memoryview:
@@ -97,33 +81,6 @@ def read_safetensors(path, dtype: torch.dtype | None = None, digests: dict[str, 
         return dict(thread_map(read, entries, threads))
     finally:
         os.close(fd)
-
-
-def checkpoint_files(folder) -> list[Path] | None:
-    """The safetensors files of a model folder (one file, or the shards its index names); None if it has none."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / shard for shard in shards]
-    single = folder / "model.safetensors"
-    return [single] if single.is_file() else None
-
-
-def fingerprint(folder) -> dict:
-    """What a form computed from a model folder depends on, cheaply: config.json's sha256, and per checkpoint file
-    its size, modification time and the sha256 of its header (names, dtypes, shapes, offsets)."""
-    folder = Path(folder)
-    config = folder / "config.json"
-    prints = {"config.json": hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None}
-    for path in checkpoint_files(folder) or []:
-        stat = path.stat()
-        with open(path, "rb") as file:
-            head = file.read(8)
-            header = file.read(min(int.from_bytes(head, "little"), 100 << 20)) if len(head) == 8 else b""
-        prints[path.name] = {"bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                             "header_sha256": hashlib.sha256(header).hexdigest()}
-    return prints
 
 
 class ReadyForm:

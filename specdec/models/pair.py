@@ -1,0 +1,71 @@
+"""`load_pair`, the one entry point of model loading: a draft and a target (hub id, local folder, GGUF file or
+alias) and the pair's one tokenizer, each step logged with its seconds.
+
+    draft, target, tokenizer = load_pair()                      # the default pair, from the local cache
+    draft, target, tokenizer = load_pair("org/small", "org/big", device_map="auto")
+
+Local folders, GGUF files and the default pair never touch the hub; a hub id that cannot be loaded is one
+SpecDecError sentence.
+"""
+
+from ..errors import SpecDecError
+from .kernels import apply_cpu_kernels, layer_kinds
+from .load import load_draft, load_model, read_soon
+from .memory import release_free_memory
+from .quantization import resolve_draft_quantization
+from .sources import resolve_device, resolve_dtype, resolve_source
+from .startup import startup_step
+from .tokenizers import load_and_check_tokenizers
+
+
+def load_pair(draft: str | None = None, target: str | None = None, device: str = "auto", dtype: str = "auto",
+              device_map=None, trust_remote_code: bool = False, cpu_kernels: bool = True,
+              draft_quantization: str | None = "int8"):
+    """(draft_model, target_model, tokenizer) ready for SpeculativeDecoder; None or "default" is the default pair.
+
+    `device_map` (e.g. "auto") spreads the target over several GPUs with accelerate; the draft stays on `device`.
+    `cpu_kernels`: float32 and bfloat16 CPU linear layers computed by our few-rows kernel (float32 ones packed once
+    by oneDNN where it cannot be built; specdec.cpu.linear), so verifying gamma tokens in one target forward costs
+    about what one token does, CPU attention over grouped heads skips copying the cache per head (specdec.cpu.attention), and
+    CPU weights are read straight into the process's memory, tensor by tensor, not memory-mapped (`load_model`);
+    models elsewhere or in float16 keep the library's kernels.
+    `draft_quantization`: "int8" (default) quantizes a CPU draft's linear layers to int8 (the draft loaded in
+    float32 for it, beside a float32 or bfloat16 target; not float16), which makes proposing 2.5-3x cheaper;
+    outputs stay exactly the target's, since the rejection rule uses the quantized draft's own probabilities.
+    "none" (or None) keeps the draft as loaded. The target is never quantized. The default pair's int8 draft is
+    kept in the cache and read from there at later starts (`load_draft`).
+
+    Each step logs one line with its seconds ("start-up: ...").
+    """
+    from ..engine import check_vocabularies
+
+    with startup_step("checked the model sources"):
+        draft_quantization = resolve_draft_quantization(draft_quantization)
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
+        target_source = resolve_source(target, "target")
+        draft_source = resolve_source(draft, "draft")
+
+    # the target's weights start coming in at once, beside the tokenizers and the draft: reading waits on the disk
+    # and on fresh memory, the others on one core; a pair that fails its checks drops them
+    pending = read_soon(target_source, dtype, trust_remote_code) \
+        if cpu_kernels and device.type == "cpu" and device_map is None else None
+    try:
+        tokenizer = load_and_check_tokenizers(draft_source, target_source, trust_remote_code)
+        draft_model = load_draft(draft_source, device, dtype, draft_quantization, trust_remote_code, cpu_kernels)
+    except BaseException:
+        if pending is not None:
+            pending.drop()
+        raise
+    target_model = load_model(target_source, "target", device, dtype, device_map, trust_remote_code, cpu_kernels,
+                              pending)
+    check_vocabularies(draft_model, target_model, tokenizer)
+    vocab_size = target_model.config.get_text_config(decoder=True).vocab_size
+    if len(tokenizer) > vocab_size:
+        raise SpecDecError(f"the tokenizer has {len(tokenizer)} tokens but the models only {vocab_size} logits",
+                           field="target_model")
+    with startup_step("CPU kernels for the pair") as note:
+        apply_cpu_kernels(draft_model, target_model, draft_quantization, cpu_kernels)
+        release_free_memory()
+        note["detail"] = f"draft: {layer_kinds(draft_model)}; target: {layer_kinds(target_model)}"
+    return draft_model, target_model, tokenizer

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec.cpu import attention
-from specdec.loading import load_pair
+from specdec.models.pair import load_pair
 
 
 @contextlib.contextmanager

@@ -26,7 +26,9 @@ from specdec.engine import SpeculativeDecoder
 from specdec.kv_cache import CachedModel
 
 from .agreement import lookup_predictions
-from .benchmark import DEFAULT_PROMPTS, GROUNDED_PROMPTS, encode, forward_ms_by_width, load_prompts, machine_info
+from .forwards import forward_ms_by_width
+from .machine import machine_info
+from .prompts import DEFAULT_PROMPTS, GROUNDED_PROMPTS, encode, load_prompts
 
 WRONG = -1  # stands for a draft proposal after the first mismatch: never the target's token
 
@@ -197,7 +199,7 @@ def greedy_texts(decoder, tokenizer, prompts: list[dict], max_new_tokens: int) -
 
 
 def main(argv=None) -> int:
-    from specdec.loading import load_pair
+    from specdec.models.pair import load_pair
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip", type=int, default=0,

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.benchmark import forward_ms, machine_info
+from bench.forwards import forward_ms
+from bench.machine import machine_info
 from specdec import SpeculativeDecoder
 
 SHAPES = {  # name: (hidden, intermediate, layers, heads, kv_heads)

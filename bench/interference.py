@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from specdec.kv_cache import CachedModel
-from specdec.loading import load_pair
+from specdec.models.pair import load_pair
 
 
 def forward_ms(model: CachedModel, tokens: list[int], cached: int) -> float:

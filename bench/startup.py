@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     import torch
 
     from specdec import SpeculativeDecoder, load_pair
-    from specdec.loading import resolve_source
+    from specdec.models.sources import resolve_source
 
     evicted = 0
     if args.cold:

@@ -1,5 +1,6 @@
-"""bench.py and bench/gpu.py run end to end on tiny models and write their JSON, table and plot."""
+"""bench/ (the benchmark, its statistics, report and plot) and bench/gpu.py: what they compute, on tiny models.
 
+import argparse
 import json
 import subprocess
 import sys
@@ -9,7 +10,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import benchmark as bench
+from bench import benchmark
+from bench.forwards import forward_ms_by_width, verification_cost
+from bench.methods import (
+    HF_METHODS,
+    MODES,
+    OUR_METHODS,
+    SPECULATIVE,
+    measured_models,
+    our_method,
+    ours_draft,
+    run_ours,
+    stock_layers,
+    token_digest,
+)
+from bench.prompts import DEFAULT_PROMPTS, GROUNDED_PROMPTS, load_prompts
+from bench.report import markdown
+from bench.summary import block_gain_interval, block_gains, leviathan_bound, paired_speedup, summarise
 from specdec.adaptive import expected_speedup, fit_alpha
 from specdec.cpu.linear import packing_supported, quantization_supported, quantize_linears
 from specdec.engine import SpeculativeDecoder
@@ -20,46 +37,48 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_prompt_set_is_committed_and_varied():
-    prompts = bench.load_prompts(bench.DEFAULT_PROMPTS)
+    prompts = load_prompts(DEFAULT_PROMPTS)
     assert len(prompts) >= 20
     assert {p["category"] for p in prompts} == {"code_completion", "code_instruction", "chat", "summarize"}
 
 
 def test_grounded_prompt_set_is_committed_and_mixed():
-    prompts = bench.load_prompts(bench.GROUNDED_PROMPTS)
+    prompts = load_prompts(GROUNDED_PROMPTS)
     assert len(prompts) >= 16 and len({p["id"] for p in prompts}) == len(prompts)
     assert len({p["category"] for p in prompts}) >= 4
 
 
 def test_method_names_map_to_drafter_rule_and_variant():
-    assert bench.our_method("hybrid-block", 4) == {"method": "google", "drafter": "hybrid", "verification": "block",
-                                                   "gamma": 4}
-    assert bench.our_method("lookup-token-adaptive-deepmind", 4)["gamma"] is None
-    assert bench.our_method("google", 4) == bench.our_method("model-token", 4)
-    assert bench.our_method("target", 4) == {"method": "target"}
-    assert bench.our_method("hybrid-token-c0.6", 4)["draft_confidence_threshold"] == 0.6
-    assert bench.our_method("model-block-adaptive-c0", 4) == {
+    assert our_method("hybrid-block", 4) == {"method": "google", "drafter": "hybrid", "verification": "block",
+                                             "gamma": 4}
+    assert our_method("lookup-token-adaptive-deepmind", 4)["gamma"] is None
+    assert our_method("google", 4) == our_method("model-token", 4)
+    assert our_method("target", 4) == {"method": "target"}
+    assert our_method("hybrid-token-c0.6", 4)["draft_confidence_threshold"] == 0.6
+    assert our_method("model-block-adaptive-c0", 4) == {
         "method": "google", "drafter": "model", "verification": "block", "gamma": None,
         "draft_confidence_threshold": 0.0}
-    assert bench.our_method("model-token-g8-c0.6", 4)["gamma"] == 8
-    assert bench.our_method("model-token-g8-c0.6", 4)["draft_confidence_threshold"] == 0.6
-    assert bench.our_method("hybrid-token-k8-h3-x", 4)["lookup"] == {"max_tokens": 8, "hybrid_min_match": 3,
-                                                                    "extend": True}
-    assert bench.our_method("lookup-block-k10", 4)["lookup"] == {"max_tokens": 10}
-    assert "lookup" not in bench.our_method("hybrid-token-g8", 4)
+    assert our_method("model-token-g8-c0.6", 4)["gamma"] == 8
+    assert our_method("model-token-g8-c0.6", 4)["draft_confidence_threshold"] == 0.6
+    assert our_method("hybrid-token-k8-h3-x", 4)["lookup"] == {"max_tokens": 8, "hybrid_min_match": 3,
+                                                              "extend": True}
+    assert our_method("lookup-block-k10", 4)["lookup"] == {"max_tokens": 10}
+    assert "lookup" not in our_method("hybrid-token-g8", 4)
     for bad in ("ngram-token", "model-token-c", "model-token-c1.5", "model-token-cx", "model-token-c0.2-c0.3",
                 "model-token-fast", "model-token-g8-g6", "model-token-g", "model-token-adaptive-g8",
                 "model-token-k8", "lookup-token-h3", "lookup-token-x", "hybrid-token-x-x", "hybrid-token-k0",
                 "hybrid-token-h9", "hybrid-token-k8-k6", "model-token-g0"):
         with pytest.raises(ValueError):
-            bench.our_method(bad, 4)
+            our_method(bad, 4)
 
 
 def test_a_methods_lookup_suffixes_apply_to_its_run_alone():
+    from specdec.drafters import LookupSettings
+
     seen = []
 
     class Decoder:  # records the lookup settings each generate call ran with
-        lookup, round_observer = bench.LookupSettings(max_ngram=6), None
+        lookup, round_observer = LookupSettings(max_ngram=6), None
 
         def generate(self, ids, **keywords):
             seen.append((self.lookup, keywords))
@@ -68,31 +87,33 @@ def test_a_methods_lookup_suffixes_apply_to_its_run_alone():
             return types.SimpleNamespace(token_ids=[1], stats=types.SimpleNamespace(as_dict=lambda: {}))
 
     decoder = Decoder()
-    bench.run_ours("hybrid-token-k8-h3-x", decoder, [1, 2], 4, bench.MODES["greedy"], 0, 4)
+    run_ours("hybrid-token-k8-h3-x", decoder, [1, 2], 4, MODES["greedy"], 0, 4)
     with pytest.raises(RuntimeError):
-        bench.run_ours("lookup-token-k5", decoder, [1, 2], 4, bench.MODES["greedy"], 0, 4)
-    bench.run_ours("hybrid-token", decoder, [1, 2], 4, bench.MODES["greedy"], 0, 4)
+        run_ours("lookup-token-k5", decoder, [1, 2], 4, MODES["greedy"], 0, 4)
+    run_ours("hybrid-token", decoder, [1, 2], 4, MODES["greedy"], 0, 4)
     # over the decoder's own settings (its max_ngram stays), and undone after each run, failed or not
-    assert seen[0][0] == bench.LookupSettings(max_ngram=6, max_tokens=8, hybrid_min_match=3, extend=True)
-    assert seen[1][0] == bench.LookupSettings(max_ngram=6, max_tokens=5)
-    assert seen[2][0] == decoder.lookup == bench.LookupSettings(max_ngram=6)
+    assert seen[0][0] == LookupSettings(max_ngram=6, max_tokens=8, hybrid_min_match=3, extend=True)
+    assert seen[1][0] == LookupSettings(max_ngram=6, max_tokens=5)
+    assert seen[2][0] == decoder.lookup == LookupSettings(max_ngram=6)
     assert all("lookup" not in keywords for _, keywords in seen)
 
 
 def test_lookup_settings_are_read_by_name_and_checked():
-    settings = bench.lookup_settings("hybrid_min_match=3, extend=true,max_tokens=10")
+    from specdec.drafters import LookupSettings
+
+    settings = benchmark.lookup_settings("hybrid_min_match=3, extend=true,max_tokens=10")
     assert (settings.hybrid_min_match, settings.extend, settings.max_tokens) == (3, True, 10)
-    assert settings.max_ngram == bench.LookupSettings().max_ngram  # unnamed: the default
-    assert bench.lookup_settings("") == bench.LookupSettings()
+    assert settings.max_ngram == LookupSettings().max_ngram  # unnamed: the default
+    assert benchmark.lookup_settings("") == LookupSettings()
     for bad in ("gamma=3", "max_tokens", "max_tokens=many", "extend=maybe", "max_tokens=0", "min_match=9"):
-        with pytest.raises(bench.argparse.ArgumentTypeError):
-            bench.lookup_settings(bad)
+        with pytest.raises(argparse.ArgumentTypeError):
+            benchmark.lookup_settings(bad)
 
 
 def test_modes_are_checked_before_anything_loads(capsys):
-    assert bench.mode_list("greedy,t0.7") == ["greedy", "t0.7"]
+    assert benchmark.mode_list("greedy,t0.7") == ["greedy", "t0.7"]
     with pytest.raises(SystemExit) as exit_:
-        bench.main(["--modes", "greedy,hot", "--no-startup"])
+        benchmark.main(["--modes", "greedy,hot", "--no-startup"])
     assert exit_.value.code == 2 and "unknown mode hot" in capsys.readouterr().err
 
 
@@ -103,11 +124,11 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
                                 for i, text in enumerate(["ab ab ab ab ab ab ab", "x = 1\nx = 1\nx = 1\n",
                                                           "def f(): return f()\ndef f(): return f()\n"])))
     out = tmp_path / "results"
-    methods = bench.OUR_METHODS + bench.HF_METHODS + ("google", "hf_assisted_own_memory")
-    assert bench.main(["--draft", draft, "--target", target, "--limit", "3", "--max-new-tokens", "6",
-                       "--prompt-sets", f"default,grounded={grounded}", "--methods", ",".join(methods),
-                       "--sweep-gammas", "1,3", "--sweep-prompts", "2", "--lookup", "hybrid_min_match=2",
-                       "--out", str(out)]) == 0
+    methods = OUR_METHODS + HF_METHODS + ("google", "hf_assisted_own_memory")
+    assert benchmark.main(["--draft", draft, "--target", target, "--limit", "3", "--max-new-tokens", "6",
+                           "--prompt-sets", f"default,grounded={grounded}", "--methods", ",".join(methods),
+                           "--sweep-gammas", "1,3", "--sweep-prompts", "2", "--lookup", "hybrid_min_match=2",
+                           "--out", str(out)]) == 0
     report = json.loads((out / "results.json").read_text())
     assert report["lookup"]["hybrid_min_match"] == 2 and "hybrid_min_match 2" in (out / "results.md").read_text()
     assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
@@ -135,7 +156,7 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
             assert rows["hf_assisted"]["decode_tokens_per_second"] is None  # generate gives no rounds
             assert rows["hf_lookup"]["tokens_per_second"] > 0 and google["speedup_vs_hf_lookup"] > 0
             assert rows["hf_assisted_own_memory"]["tokens_per_second"] > 0
-            for method in bench.SPECULATIVE:
+            for method in SPECULATIVE:
                 row = rows[method]
                 # one target forward per round, and the prompt's prefill on its own when the first round proposed
                 assert row["speedup_vs_target"] > 0 and row["tokens_per_target_forward"] > 0
@@ -151,7 +172,7 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     # greedy speculative output is target-only's, prompt by prompt, whatever the drafter and rule
     for set_name in ("default", "grounded"):
         rows = report["summary"][set_name]["greedy"]["methods"]
-        for method in bench.SPECULATIVE:
+        for method in SPECULATIVE:
             assert rows[method]["same_tokens_as_target"] == {"prompts": 3, "same": 3}, (set_name, method)
         assert "same_tokens_as_target" not in report["summary"][set_name]["sampling"]["methods"]["google"]
     assert "| model-token | 3/3 |" in table
@@ -171,13 +192,13 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     assert rows["google"]["in_loop_bound"] > 0 and rows["google"]["decode_efficiency_in_loop"] > 0
     assert "in-loop bound" in table
     for run in report["runs"]:
-        if run["method"] in bench.SPECULATIVE:
+        if run["method"] in SPECULATIVE:
             assert run["rounds"] <= run["target_forwards"] <= run["rounds"] + 1
     # generated tokens only: never more than max_new_tokens per run
     assert all(0 < run["new_tokens"] <= 6 for run in report["runs"])
     # the report rebuilds from its runs
     again = tmp_path / "again"
-    assert bench.main(["--from-runs", str(out / "results.json"), "--out", str(again)]) == 0
+    assert benchmark.main(["--from-runs", str(out / "results.json"), "--out", str(again)]) == 0
     rebuilt = json.loads((again / "results.json").read_text())
     # with the runs' own settings, not this command's defaults (64 new tokens, gamma 4)
     assert (rebuilt["max_new_tokens"], rebuilt["gamma"]) == (6, 4) and rebuilt["summary"] == report["summary"]
@@ -185,7 +206,7 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     alone = dict(report, runs=[r for r in report["runs"] if r["method"] == "model-token"])
     (tmp_path / "alone.json").write_text(json.dumps(alone))
     (again / "results.png").write_bytes(b"stale")
-    assert bench.main(["--from-runs", str(tmp_path / "alone.json"), "--out", str(again)]) == 0
+    assert benchmark.main(["--from-runs", str(tmp_path / "alone.json"), "--out", str(again)]) == 0
     assert not (again / "results.png").exists()
     assert "Block verification on the same" in (again / "results.md").read_text()
 
@@ -193,17 +214,17 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
 def test_benchmark_of_our_methods_alone_loads_the_pair_once_as_the_service_does(tiny_pair_dirs, tmp_path,
                                                                                  monkeypatch):
     draft, target = tiny_pair_dirs
-    loads, load_pair = [], bench.load_pair
+    loads, load_pair = [], benchmark.load_pair
 
     def recording_load_pair(*args, **kwargs):
         loads.append(kwargs)
         return load_pair(*args, **kwargs)
 
-    monkeypatch.setattr(bench, "load_pair", recording_load_pair)
+    monkeypatch.setattr(benchmark, "load_pair", recording_load_pair)
     out = tmp_path / "results"
-    assert bench.main(["--draft", draft, "--target", target, "--limit", "2", "--max-new-tokens", "4",
-                       "--prompt-sets", "default", "--modes", "greedy", "--methods", "target,model-token",
-                       "--no-startup", "--out", str(out)]) == 0
+    assert benchmark.main(["--draft", draft, "--target", target, "--limit", "2", "--max-new-tokens", "4",
+                           "--prompt-sets", "default", "--modes", "greedy", "--methods", "target,model-token",
+                           "--no-startup", "--out", str(out)]) == 0
     # no stock pair held beside ours: one load, with the CPU kernels and the int8 draft
     assert len(loads) == 1 and loads[0].get("cpu_kernels", True) and loads[0]["draft_quantization"] == "int8"
     report = json.loads((out / "results.json").read_text())
@@ -237,10 +258,10 @@ def test_forward_costs_take_turns_by_width():
     seen = []
     model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1]),
                                     with_kwargs=True)
-    ms = bench.forward_ms_by_width(model, 16, [1, 3, 5], "cpu", repeats=3)
+    ms = forward_ms_by_width(model, 16, [1, 3, 5], "cpu", repeats=3)
     assert set(ms) == {1, 3, 5} and all(v > 0 for v in ms.values())
     assert seen == [16] + [1, 3, 5] * 5  # the prefill, then 2 warm-up rounds and 3 measured, widths in turn
-    assert bench.verification_cost(model, 2, context=8, repeats=1)["relative"][1] == 1.0
+    assert verification_cost(model, 2, context=8, repeats=1)["relative"][1] == 1.0
 
 
 def test_stock_layers_lends_our_target_to_hugging_face_and_gives_it_back():
@@ -248,14 +269,14 @@ def test_stock_layers_lends_our_target_to_hugging_face_and_gives_it_back():
 
     from specdec.cpu.attention import GQA_ATTENTION
     from specdec.cpu.linear import FewRowsLinear, PackedLinear
-    from specdec.loading import use_cpu_kernels
+    from specdec.models.kernels import use_cpu_kernels
     from tests.support.models import make_model
 
     model = make_model("qwen2", hidden=64)
     assert use_cpu_kernels(model)
     ours = {type(m) for m in model.modules()} & {FewRowsLinear, PackedLinear}
     weights = {name: p.data_ptr() for name, p in model.named_parameters()}
-    with bench.stock_layers(model) as stock:
+    with stock_layers(model) as stock:
         assert stock is model and model.config._attn_implementation == "sdpa"
         assert not {type(m) for m in model.modules()} & {FewRowsLinear, PackedLinear}
         assert isinstance(model.lm_head, nn.Linear)
@@ -270,7 +291,7 @@ def test_summary_bound_uses_measured_acceptance_and_cost():
             {"mode": "greedy", "method": "draft", "sweep_gamma": None, "new_tokens": 10, "total_seconds": 0.25},
             {"mode": "greedy", "method": "google", "sweep_gamma": None, "new_tokens": 8, "total_seconds": 0.5,
              "proposed": 8, "accepted": 6, "rounds": 2, "target_forwards": 2, "other_seconds": 0.01}]
-    row = bench.summarise(runs, gamma=4)["greedy"]
+    row = summarise(runs, gamma=4)["greedy"]
     assert row["cost_ratio_c"] == 0.25
     google = row["methods"]["google"]
     assert google["speedup_vs_target"] == 1.6
@@ -291,13 +312,13 @@ def test_summary_per_prompt_ratios_pair_each_prompt_with_its_own_baselines():
             run("google", "a", 20, 1.0, proposed=16, accepted=16, rounds=4, target_forwards=4),  # all accepted
             run("target", "b", 10, 2.0), run("draft", "b", 10, 0.4), run("hf_assisted", "b", 10, 1.0),
             run("google", "b", 10, 2.5, proposed=20, accepted=5, rounds=5, target_forwards=5)]  # 2 per round
-    google = bench.summarise(runs, gamma=4)["greedy"]["methods"]["google"]
+    google = summarise(runs, gamma=4)["greedy"]["methods"]["google"]
     assert google["prompt_speedup_vs_target"] == pytest.approx((2.0 + 0.8) / 2)  # 20 vs 10 tok/s, 4 vs 5
     assert google["prompt_speedup_vs_hf_assisted"] == pytest.approx((4.0 + 0.4) / 2)
     c = 0.2  # draft 0.02 s/token against target 0.1 on a, 0.04 against 0.2 on b
-    expected = [2.0 / bench.leviathan_bound(fit_alpha(5.0, 4), 4, c), 0.8 / bench.leviathan_bound(fit_alpha(2.0, 4), 4, c)]
+    expected = [2.0 / leviathan_bound(fit_alpha(5.0, 4), 4, c), 0.8 / leviathan_bound(fit_alpha(2.0, 4), 4, c)]
     assert google["prompt_efficiency"] == pytest.approx(sum(expected) / 2)
-    assert "prompt_efficiency" not in bench.summarise(runs, gamma=4)["greedy"]["methods"]["target"]
+    assert "prompt_efficiency" not in summarise(runs, gamma=4)["greedy"]["methods"]["target"]
 
 
 def test_block_gain_interval_resamples_prompts_as_units():
@@ -305,33 +326,33 @@ def test_block_gain_interval_resamples_prompts_as_units():
         return {"token": token, "block": block, "blocks": blocks}
 
     # tokens per round: (10 + 22) / (10 + 20) on one prompt, 30 / 30 on the other
-    assert bench.block_gains([scored(20.0, 22.0), scored(20.0, 20.0)]) == pytest.approx((0.05, 2 / 60))
+    assert block_gains([scored(20.0, 22.0), scored(20.0, 20.0)]) == pytest.approx((0.05, 2 / 60))
     same = [[scored(20.0, 22.0)], [scored(10.0, 11.0, 5), scored(10.0, 11.0, 5)]]  # +1/15 on each prompt
-    assert bench.block_gain_interval(same) == pytest.approx([1 / 15, 1 / 15])
+    assert block_gain_interval(same) == pytest.approx([1 / 15, 1 / 15])
     # one prompt gains, one loses: the interval spans both prompts' own gains, and the pooled figure lies inside
     mixed = [[scored(20.0, 24.0)], [scored(20.0, 18.0)]] * 4
-    low, high = bench.block_gain_interval(mixed)
-    pooled = bench.block_gains([e for prompt in mixed for e in prompt])[1]
+    low, high = block_gain_interval(mixed)
+    pooled = block_gains([e for prompt in mixed for e in prompt])[1]
     assert -2 / 30 <= low < pooled < high <= 4 / 30
     # the runs of one prompt stay together: two runs that cancel on every prompt give no spread at all
     paired = [[scored(20.0, 24.0), scored(20.0, 16.0)]] * 8
-    assert bench.block_gain_interval(paired) == pytest.approx([0.0, 0.0])
+    assert block_gain_interval(paired) == pytest.approx([0.0, 0.0])
 
 
 def test_paired_speedup_pools_requests_and_resamples_prompts_as_units():
     # (tokens_a, seconds_a, tokens_b, seconds_b): a twice b's rate on every prompt, so every resample says 2x
     same = [[(64, 4.0, 64, 8.0)], [(32, 1.0, 32, 2.0), (64, 2.0, 64, 4.0)]]
-    pooled, interval = bench.paired_speedup(same)
+    pooled, interval = paired_speedup(same)
     assert pooled == pytest.approx(2.0) and interval == pytest.approx([2.0, 2.0])
     # pooled is all tokens over all seconds, not a mean of ratios: 128 tokens in 5 s against 128 in 10 s
-    assert bench.paired_speedup([[(64, 1.0, 64, 8.0)], [(64, 4.0, 64, 2.0)]])[0] == pytest.approx(2.0)
+    assert paired_speedup([[(64, 1.0, 64, 8.0)], [(64, 4.0, 64, 2.0)]])[0] == pytest.approx(2.0)
     # one prompt at 3x, one at 0.5x: the interval spans both, the pooled figure inside it
     mixed = [[(60, 2.0, 60, 6.0)], [(60, 6.0, 60, 3.0)]] * 4
-    pooled, (low, high) = bench.paired_speedup(mixed)
+    pooled, (low, high) = paired_speedup(mixed)
     assert 0.5 <= low < pooled < high <= 3.0
     # the repeats of one prompt stay together: a fast and a slow repeat that cancel give no spread at all
     paired = [[(60, 1.0, 60, 2.0), (60, 4.0, 60, 2.0)]] * 8
-    pooled, interval = bench.paired_speedup(paired)
+    pooled, interval = paired_speedup(paired)
     assert pooled == pytest.approx(0.8) and interval == pytest.approx([0.8, 0.8])
 
 
@@ -346,7 +367,7 @@ def test_summary_pairs_each_method_with_target_only_and_model_drafting_on_the_sa
             run("target", "b", 12.0, first=2.0), run("model-token", "b", 6.0, first=2.0),
             run("hybrid-token", "b", 6.0, first=2.0),
             run("hybrid-token", "c", 1.0, first=0.5)]  # no baseline ran on c: left out of every pair
-    methods = bench.summarise(runs, gamma=4)["greedy"]["methods"]
+    methods = summarise(runs, gamma=4)["greedy"]["methods"]
     hybrid = methods["hybrid-token"]["paired"]
     assert hybrid["target"]["prompts"] == hybrid["model-token"]["prompts"] == 2
     assert hybrid["target"]["pooled"] == pytest.approx((22 / 8) / (22 / 18))
@@ -356,13 +377,13 @@ def test_summary_pairs_each_method_with_target_only_and_model_drafting_on_the_sa
     assert methods["model-token"]["paired"].keys() == {"target"}  # not with itself; HF prompt lookup did not run
     assert "paired" not in methods["draft"] and "paired" not in methods["target"]
     report = {"date": "d", "command": "c", "machine": {}, "draft": "d", "target": "t", "prompts": {"default": 3},
-              "max_new_tokens": 11, "repeats": 1, "gamma": 4, "summary": {"default": bench.summarise(runs, 4)}}
-    text = bench.markdown(report)
+              "max_new_tokens": 11, "repeats": 1, "gamma": 4, "summary": {"default": summarise(runs, 4)}}
+    text = markdown(report)
     assert "Paired with model-token" in text and f"| hybrid-token | 2 | {hybrid['model-token']['pooled']:.2f}x" in text
     # a second repeat of prompt a without its first round: no figure past the first round on fewer runs
     runs += [{**r, "repeat": 1, "first_chunk_seconds": None} if r["method"] == "hybrid-token" else {**r, "repeat": 1}
              for r in runs if r["prompt"] == "a"]
-    again = bench.summarise(runs, gamma=4)["greedy"]["methods"]["hybrid-token"]["paired"]["model-token"]
+    again = summarise(runs, gamma=4)["greedy"]["methods"]["hybrid-token"]["paired"]["model-token"]
     assert again["prompts"] == 2 and "pooled" in again and "decode_pooled" not in again
 
 
@@ -373,7 +394,7 @@ def test_summary_steady_state_leaves_out_the_first_round():
             {"mode": "greedy", "method": "google", "sweep_gamma": None, "new_tokens": 11, "total_seconds": 1.5,
              "proposed": 8, "accepted": 6, "rounds": 3, "target_forwards": 3, "other_seconds": 0.01,
              "first_chunk_seconds": 1.1, "first_chunk_tokens": 3, "decode_tokens_per_second": 20.0}]
-    google = bench.summarise(runs, gamma=4)["greedy"]["methods"]["google"]
+    google = summarise(runs, gamma=4)["greedy"]["methods"]["google"]
     assert google["speedup_vs_target"] == pytest.approx(2.0 / 1.5)
     assert google["decode_speedup_vs_target"] == 2.0
     assert google["decode_efficiency"] == pytest.approx(2.0 / google["leviathan_bound"])
@@ -391,7 +412,7 @@ def test_in_loop_costs_leave_out_the_prefill_and_feed_a_bound():
              "proposed": 8, "accepted": 6, "rounds": 2, "other_seconds": 0.01,
              "target_forwards": 3, "target_seconds": 1.1, "target_prefill_seconds": 0.5,
              "draft_forwards": 9, "draft_seconds": 0.5, "draft_prefill_seconds": 0.1}]
-    rows = bench.summarise(runs, gamma=4)["greedy"]["methods"]
+    rows = summarise(runs, gamma=4)["greedy"]["methods"]
     assert rows["target"]["target_ms_per_forward"] == pytest.approx(200.0)  # (1.3 - 0.5) s / 4 forwards
     assert rows["draft"]["draft_ms_per_forward"] == pytest.approx(50.0)
     google = rows["google"]
@@ -400,17 +421,17 @@ def test_in_loop_costs_leave_out_the_prefill_and_feed_a_bound():
     assert google["in_loop_cost_ratio"] == pytest.approx(0.25)
     assert google["in_loop_verification_cost"] == pytest.approx(1.5)
     alpha = google["alpha"]
-    assert google["in_loop_bound"] == pytest.approx(bench.leviathan_bound(alpha, 4, 0.25, 1.5))
+    assert google["in_loop_bound"] == pytest.approx(leviathan_bound(alpha, 4, 0.25, 1.5))
     assert google["in_loop_bound"] < google["leviathan_bound"]  # a dearer verification lowers the bound
     assert "in_loop_bound" not in rows["target"]
 
 
 def test_bound_interpolates_between_integer_gammas():
     alpha, c = 0.8, 0.2
-    assert bench.leviathan_bound(alpha, 3, c) == pytest.approx(expected_speedup(alpha, 3, c))
-    middle = bench.leviathan_bound(alpha, 3.5, c)
+    assert leviathan_bound(alpha, 3, c) == pytest.approx(expected_speedup(alpha, 3, c))
+    middle = leviathan_bound(alpha, 3.5, c)
     assert middle == pytest.approx((expected_speedup(alpha, 3, c) + expected_speedup(alpha, 4, c)) / 2)
-    assert bench.leviathan_bound(alpha, 3, c, verification=1.2) < bench.leviathan_bound(alpha, 3, c)
+    assert leviathan_bound(alpha, 3, c, verification=1.2) < leviathan_bound(alpha, 3, c)
 
 
 def test_gpu_script_smoke_on_cpu(tmp_path):
@@ -445,13 +466,13 @@ def test_summary_counts_greedy_runs_with_target_only_tokens():
     runs = [run("target", "a", "x"), run("target", "b", "y"), run("google", "a", "x"), run("google", "b", "z"),
             run("hf_assisted", "a", "x"), run("hf_assisted", "b", "y"), run("old", "a", None),
             run("target", "a", "x", "sampling"), run("google", "a", "w", "sampling")]
-    summary = bench.summarise(runs, gamma=4)
+    summary = summarise(runs, gamma=4)
     rows = summary["greedy"]["methods"]
     assert rows["google"]["same_tokens_as_target"] == {"prompts": 2, "same": 1}
     assert rows["hf_assisted"]["same_tokens_as_target"] == {"prompts": 2, "same": 2}
     assert "same_tokens_as_target" not in rows["target"] and "same_tokens_as_target" not in rows["old"]
     assert "same_tokens_as_target" not in summary["sampling"]["methods"]["google"]  # sampled tokens may differ
-    assert bench.token_digest([1, 2]) != bench.token_digest([1, 2, 3]) == bench.token_digest([1, 2, 3])
+    assert token_digest([1, 2]) != token_digest([1, 2, 3]) == token_digest([1, 2, 3])
 
 
 def test_attention_benchmark_compares_both_ways_on_tiny_pair(tiny_pair_dirs, capsys):
@@ -555,11 +576,11 @@ def test_benchmark_draft_beside_a_bfloat16_target_is_int8_as_load_pair_gives_it(
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
     stock = make_model("llama", seed=0).to(torch.bfloat16)
-    ours = bench.ours_draft(stock, "int8")
+    ours = ours_draft(stock, "int8")
     assert any(isinstance(m, DynamicQuantizedLinear) for m in ours.modules())
-    assert bench.measured_models(stock, ours) == {"dtype": "bfloat16", "draft_quantization": "int8"}
+    assert measured_models(stock, ours) == {"dtype": "bfloat16", "draft_quantization": "int8"}
     assert next(stock.parameters()).dtype == torch.bfloat16
     assert not any(isinstance(m, DynamicQuantizedLinear) for m in stock.modules())
-    plain = bench.ours_draft(stock, "none")
+    plain = ours_draft(stock, "none")
     assert next(plain.parameters()).dtype == torch.bfloat16
     assert not any(isinstance(m, DynamicQuantizedLinear) for m in plain.modules())

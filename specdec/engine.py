@@ -125,8 +125,9 @@ class _Request:
         self.finish_reason: str | None = None
         self.proposed = 0
         self.accepted = 0
-        self.accepted_per_position: list[int] = []
+        self.accepted_per_position: list[int] = []  # one entry per draft position proposed so far
         self.rounds = 0
+        self.drafts = 0  # rounds with at least one proposal
         self.proposed_by_drafter: dict[str, int] = {}
         self.accepted_by_drafter: dict[str, int] = {}
         self.rounds_by_drafter: dict[str, int] = {}  # by the drafter of each round's first proposal, or "none"
@@ -169,8 +170,10 @@ class _Request:
             for drafter in drafters:
                 counts[drafter] = counts.get(drafter, 0) + 1
         self.rounds_by_drafter[proposal.drafter] = self.rounds_by_drafter.get(proposal.drafter, 0) + 1
-        if accepted > len(self.accepted_per_position):
-            self.accepted_per_position.extend([0] * (accepted - len(self.accepted_per_position)))
+        if len(proposal):
+            self.drafts += 1
+        if len(proposal) > len(self.accepted_per_position):
+            self.accepted_per_position.extend([0] * (len(proposal) - len(self.accepted_per_position)))
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
@@ -207,6 +210,7 @@ class _Request:
             seed=self.seed, prompt_tokens=self.prompt_len, new_tokens=new, proposed=self.proposed,
             accepted=self.accepted, acceptance_rate=self.accepted / self.proposed if self.proposed else None,
             tokens_per_target_forward=new / target_forwards if target_forwards else None, rounds=self.rounds,
+            drafts=self.drafts, mean_acceptance_length=1 + self.accepted / self.drafts if self.drafts else None,
             draft_forwards=self.forwards["draft"], target_forwards=target_forwards,
             draft_seconds=self.seconds["draft"], target_seconds=self.seconds["target"],
             draft_prefill_seconds=self.prefill_seconds["draft"],

@@ -22,8 +22,11 @@ class GenerationStats(Mapping):
     proposed: int  # draft tokens proposed to the target
     accepted: int  # ... and accepted by it
     acceptance_rate: float | None  # accepted / proposed
-    tokens_per_target_forward: float | None  # the mean acceptance length
+    tokens_per_target_forward: float | None  # generated tokens per target forward, the prompt's prefill included
     rounds: int
+    drafts: int  # rounds that proposed at least one token (vLLM's num_drafts)
+    # vLLM's definition: 1 + accepted / drafts, the tokens a round with a draft commits (always >= 1); None: no drafts
+    mean_acceptance_length: float | None
     draft_forwards: int
     target_forwards: int
     draft_seconds: float
@@ -40,7 +43,8 @@ class GenerationStats(Mapping):
     first_chunk_seconds: float
     first_chunk_tokens: int
     decode_tokens_per_second: float | None
-    # accepted_per_position[i]: rounds whose draft token at position i (0-based) was accepted
+    # accepted_per_position[i]: rounds whose draft token at position i (0-based) was accepted, for every position
+    # a round proposed (zeros included: its length is the longest proposal)
     accepted_per_position: list[int] = field(default_factory=list)
     # per drafter ("model", "lookup"): tokens it proposed, and of those the target accepted
     proposed_by_drafter: dict[str, int] = field(default_factory=dict)

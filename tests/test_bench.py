@@ -1,4 +1,4 @@
-"""bench/ (the benchmark, its statistics, report and plot) and bench/gpu.py: what they compute, on tiny models.
+"""bench/ (the benchmark, its statistics, report and plot) and bench/gpu.py run end to end on tiny models."""
 
 import argparse
 import json

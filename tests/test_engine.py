@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from specdec import LookupSettings, SpecDecError, SpeculativeDecoder
-from specdec.drafters import LookupDrafter, ModelDrafter, NgramIndex
+from specdec.drafters import LookupDrafter, ModelDrafter, NgramIndex, Proposal
+from specdec.engine import _Request
 from specdec.kv_cache import CachedModel
-from specdec.params import DRAFTERS, VERIFICATIONS
+from specdec.params import DRAFTERS, VERIFICATIONS, SamplingParams
 from specdec.sampling import logits_to_probs
 from tests.support.models import ARCHITECTURES, make_model, make_tokenizer, perturbed_copy
 from tests.support.spies import ended_early, hybrid_rounds, model_runs, rounds_of
@@ -173,6 +174,21 @@ def test_tensor_input(decoder):
     assert as_list.token_ids == as_tensor.token_ids
 
 
+def test_stats_list_every_proposed_position_and_define_the_acceptance_length_as_vllm_does():
+    """A request whose drafts were all rejected still lists their positions, at 0, and its mean acceptance
+    length is 1 (1 + accepted / drafts), not tokens per target forward with the prefill counted (< 1 there)."""
+    state = _Request([1, 2, 3], SamplingParams(method="google", gamma=4), None, 0, set())
+    state.record_round(Proposal([5, 6, 7, 8], [None] * 4, ["model"] * 4), accepted=0)
+    state.record_round(Proposal(), accepted=0)  # nothing proposed: the target drew alone, not a draft
+    stats = state.stats()
+    assert stats.accepted_per_position == [0, 0, 0, 0] and stats.drafts == 1 and stats.rounds == 2
+    assert stats.mean_acceptance_length == 1.0
+    state.record_round(Proposal([5, 6], [None] * 2, ["lookup"] * 2), accepted=2)
+    stats = state.stats()
+    assert stats.accepted_per_position == [1, 1, 0, 0] and stats.mean_acceptance_length == 1 + 2 / 2
+    assert _Request([1], SamplingParams(method="target"), None, 0, set()).stats().mean_acceptance_length is None
+
+
 def test_stats(decoder):
     result = decoder.generate(PROMPT, max_new_tokens=20, method="google", gamma=3, seed=0)
     stats = result.stats
@@ -182,7 +198,8 @@ def test_stats(decoder):
     assert stats.rounds == result.sources.count("bonus") + result.sources.count("resampled")
     assert stats.proposed == stats.draft_forwards and stats.proposed <= 3 * stats.rounds
     assert stats.target_forwards == stats.rounds + 1  # one per round, and the prompt's prefill on its own
-    assert sum(stats.accepted_per_position) == stats.accepted and len(stats.accepted_per_position) <= 3
+    assert sum(stats.accepted_per_position) == stats.accepted and len(stats.accepted_per_position) == 3
+    assert stats.mean_acceptance_length >= 1 and stats.drafts == stats.rounds - stats.rounds_by_drafter.get("none", 0)
     assert list(stats.accepted_per_position) == sorted(stats.accepted_per_position, reverse=True)
     assert 0 < stats.draft_seconds < stats.total_seconds and 0 < stats.target_seconds < stats.total_seconds
     # the first round (prefill included) apart: time to the first tokens, and the rate of the rest

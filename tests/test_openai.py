@@ -96,6 +96,7 @@ def test_completion_answer(client):
     assert stats["drafter"] == "model" and stats["verification"] == "token"  # the configured defaults
     assert 0 <= stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
     assert sum(stats["num_accepted_tokens_per_pos"]) == stats["num_accepted_tokens"]
+    assert len(stats["num_accepted_tokens_per_pos"]) == 3  # every position proposed, zeros included
     assert stats["draft_acceptance_rate"] == pytest.approx(stats["num_accepted_tokens"] / stats["num_draft_tokens"])
     assert 1 <= stats["mean_acceptance_length"] <= 4
 
@@ -372,6 +373,15 @@ def test_one_log_line_per_request(client, caplog):
     assert "status=400" in refused and "error=unsupported_value" in refused
 
 
+def test_acceptance_by_position_is_exported_from_start_up(pair):
+    """Every draft position a request may propose (0 .. max_gamma - 1) is on /metrics before any request."""
+    client = make_app(pair, max_gamma=6).test_client()
+    text = client.get("/metrics").get_data(as_text=True)
+    for i in range(6):
+        assert f'specdec_spec_decode_num_accepted_tokens_per_pos_total{{position="{i}"}} 0.0' in text
+    assert 'position="6"' not in text and "specdec_spec_decode_num_drafts_total 0.0" in text
+
+
 def test_metrics_count_v1_requests_and_acceptance_by_position(client):
     served = '{endpoint="/v1/completions",status="200"}'
     requests_before = metric(client, "specdec_requests_total", served)
@@ -379,6 +389,7 @@ def test_metrics_count_v1_requests_and_acceptance_by_position(client):
                       metric(client, "specdec_spec_decode_mean_acceptance_length_sum"))
     per_pos = [metric(client, "specdec_spec_decode_num_accepted_tokens_per_pos_total", f'{{position="{i}"}}')
                for i in range(4)]
+    drafts_before = metric(client, "specdec_spec_decode_num_drafts_total")
     stats = complete(client, max_tokens=40, gamma=4, seed=11).get_json()["choices"][0]["speculative_decoding_stats"]
     assert metric(client, "specdec_requests_total", served) == requests_before + 1
     accepted = stats["num_accepted_tokens_per_pos"] + [0] * (4 - len(stats["num_accepted_tokens_per_pos"]))
@@ -386,6 +397,7 @@ def test_metrics_count_v1_requests_and_acceptance_by_position(client):
     for i in range(4):
         assert metric(client, "specdec_spec_decode_num_accepted_tokens_per_pos_total",
                       f'{{position="{i}"}}') == per_pos[i] + accepted[i]
+    assert metric(client, "specdec_spec_decode_num_drafts_total") == drafts_before + stats["num_drafts"]
     assert metric(client, "specdec_spec_decode_mean_acceptance_length_count") == lengths_before[0] + 1
     assert metric(client, "specdec_spec_decode_mean_acceptance_length_sum") == pytest.approx(
         lengths_before[1] + stats["mean_acceptance_length"])

@@ -18,13 +18,16 @@ from prometheus_client import (
 from ..stats import GenerationStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
-# tokens per target forward: 1 (every proposal rejected) up to gamma + 1 (all accepted, plus the bonus token)
+# 1 + accepted / drafts: 1 (every proposal rejected) up to gamma + 1 (all accepted, plus the bonus token)
 ACCEPTANCE_LENGTH_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0, 9.0, 12.0, 17.0,
                              33.0, 65.0)
 
 
 class Metrics:
-    def __init__(self):
+    """`positions`: the draft positions whose acceptance counter exists from the start (0 .. positions - 1, the
+    most a request may propose), so that each is visible before its first acceptance."""
+
+    def __init__(self, positions: int = 0):
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("specdec_requests", "HTTP requests by endpoint and status",
                                 ["endpoint", "status"], registry=self.registry)
@@ -38,14 +41,18 @@ class Metrics:
                                        registry=self.registry)
         self.accepted_tokens = Counter("specdec_draft_tokens_accepted", "Draft tokens the target accepted",
                                        registry=self.registry)
+        self.drafts = Counter("specdec_spec_decode_num_drafts", "Rounds that proposed at least one draft token",
+                              registry=self.registry)
         # as vLLM names them (vllm:spec_decode_num_accepted_tokens_per_pos), with this service's prefix
         self.accepted_per_position = Counter(
             "specdec_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position "
             "(0-based): rounds whose proposal at that position the target accepted", ["position"],
             registry=self.registry)
+        for position in range(positions):
+            self.accepted_per_position.labels(str(position))
         self.acceptance_length = Histogram(
-            "specdec_spec_decode_mean_acceptance_length", "Per speculative generation: tokens committed per target "
-            "forward", buckets=ACCEPTANCE_LENGTH_BUCKETS, registry=self.registry)
+            "specdec_spec_decode_mean_acceptance_length", "Per speculative generation with drafts, as vLLM defines "
+            "it: 1 + accepted draft tokens / drafts", buckets=ACCEPTANCE_LENGTH_BUCKETS, registry=self.registry)
         self.queue_depth = Gauge("specdec_queue_depth", "Requests waiting for the engine", registry=self.registry)
         self.busy = Gauge("specdec_engine_busy", "1 while a request is decoding", registry=self.registry)
         self.ready = Gauge("specdec_ready", "1 once both models are loaded", registry=self.registry)
@@ -70,10 +77,11 @@ class Metrics:
         self.generated_tokens.inc(stats.new_tokens)
         self.proposed_tokens.inc(stats.proposed)
         self.accepted_tokens.inc(stats.accepted)
+        self.drafts.inc(stats.drafts)
         for position, accepted in enumerate(stats.accepted_per_position):
             self.accepted_per_position.labels(str(position)).inc(accepted)
-        if stats.proposed and stats.tokens_per_target_forward is not None:
-            self.acceptance_length.observe(stats.tokens_per_target_forward)
+        if stats.mean_acceptance_length is not None:
+            self.acceptance_length.observe(stats.mean_acceptance_length)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

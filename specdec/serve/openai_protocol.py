@@ -345,12 +345,16 @@ class SpeculativeDecodingStats(BaseModel):
     draft_confidence_threshold: float | None = Field(
         description="the draft model's confidence stop (0: none); null: no draft model drafts")
     seed: int = Field(description="the seed used (drawn at random when the request gave none)")
+    num_drafts: int = Field(description="rounds that proposed at least one draft token")
     num_draft_tokens: int = Field(description="draft tokens proposed to the target")
     num_accepted_tokens: int = Field(description="draft tokens the target accepted")
     draft_acceptance_rate: float | None = Field(description="num_accepted_tokens / num_draft_tokens")
-    mean_acceptance_length: float | None = Field(description="tokens committed per target forward")
+    mean_acceptance_length: float | None = Field(
+        description="as vLLM defines it: 1 + num_accepted_tokens / num_drafts, the tokens a round with a draft "
+                    "commits (at least 1); null: no drafts")
     num_accepted_tokens_per_pos: list[int] = Field(
-        description="[i]: rounds whose draft token at position i (0-based) was accepted")
+        description="[i]: rounds whose draft token at position i (0-based) was accepted, for every position "
+                    "proposed in the request (zeros included)")
 
     @classmethod
     def of(cls, stats) -> "SpeculativeDecodingStats | None":
@@ -358,9 +362,9 @@ class SpeculativeDecodingStats(BaseModel):
             return None
         return cls(method=stats.method, gamma=stats.gamma, drafter=stats.drafter, verification=stats.verification,
                    draft_confidence_threshold=stats.draft_confidence_threshold, seed=stats.seed,
-                   num_draft_tokens=stats.proposed,
+                   num_drafts=stats.drafts, num_draft_tokens=stats.proposed,
                    num_accepted_tokens=stats.accepted, draft_acceptance_rate=stats.acceptance_rate,
-                   mean_acceptance_length=stats.tokens_per_target_forward,
+                   mean_acceptance_length=stats.mean_acceptance_length,
                    num_accepted_tokens_per_pos=list(stats.accepted_per_position))
 
 

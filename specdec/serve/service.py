@@ -51,7 +51,7 @@ class Service:
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.metrics = Metrics()
+        self.metrics = Metrics(positions=settings.max_gamma)
         self.scheduler = Scheduler(settings.queue_size, settings.queue_timeout, self.metrics.queue_changed)
         self.engine = EngineThread()
         self.models = ModelHost(settings, self.engine, on_ready=self._ready)

@@ -16,6 +16,7 @@ import torch
 
 from . import verification
 from .adaptive import AdaptiveGamma, CostProfile
+from .compiled import cache_for
 from .drafters import SOURCES, HybridDrafter, LookupDrafter, LookupSettings, ModelDrafter, Proposal
 from .errors import SpecDecError
 from .kv_cache import CachedModel, context_length
@@ -147,6 +148,10 @@ class _Request:
         if self.limit is not None:
             budget = min(budget, self.limit - len(self.ids))
         return budget
+
+    def cache_for(self, model) -> CachedModel:
+        """A KV cache for this request: the model's static one where it has a compiled form (compiled.py)."""
+        return cache_for(model, self.prompt_len + self.max_new_tokens + 1)
 
     def forward(self, role: str, model: CachedModel, tokens: list[int], keep: int = 1) -> torch.Tensor:
         """A timed forward of the draft or target model."""
@@ -346,7 +351,7 @@ class SpeculativeDecoder:
     def _autoregress(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:
         """Target-only or draft-only decoding with a KV cache: one forward, one token."""
         role = "target" if req.params.method == "target" else "draft"
-        model = CachedModel(self.target_model if role == "target" else self.draft_model)
+        model = req.cache_for(self.target_model if role == "target" else self.draft_model)
         while req.finish_reason is None:
             logits = req.forward(role, model, req.ids[model.length:])
             token = sample(probs(logits[-1]), req.generator)
@@ -364,7 +369,7 @@ class SpeculativeDecoder:
                                min_match=self.lookup.hybrid_min_match if kind == "hybrid" else None)
         if kind == "lookup":
             return lookup
-        model = ModelDrafter(CachedModel(self.draft_model), probs, forward, req.params.draft_confidence_threshold)
+        model = ModelDrafter(req.cache_for(self.draft_model), probs, forward, req.params.draft_confidence_threshold)
         return model if kind == "model" else HybridDrafter(model, lookup, self.lookup)
 
     def _speculate(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:
@@ -376,7 +381,7 @@ class SpeculativeDecoder:
         gamma is fixed, or, for greedy decoding with gamma=None, chosen each round by adaptive gamma: greedy output
         is the target's argmax at every position whatever lengths are chosen, so those rounds keep their bonus
         token, which adaptive sampling gives up to stay reproducible (`_speculate_adaptive`)."""
-        drafter, target = self._drafter(req, probs), CachedModel(self.target_model)
+        drafter, target = self._drafter(req, probs), req.cache_for(self.target_model)
         generator = req.generator
         adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile) \
             if req.params.gamma is None else None
@@ -419,7 +424,7 @@ class SpeculativeDecoder:
         the next round: it draws from the request's one generator instead, and its output depends on the lengths
         chosen, while its samples stay exactly the target's.
         """
-        drafter, target = self._drafter(req, probs), CachedModel(self.target_model)
+        drafter, target = self._drafter(req, probs), req.cache_for(self.target_model)
         adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile, bonus=False)
         per_position = req.params.verification == "token"
         while req.finish_reason is None:

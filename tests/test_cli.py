@@ -95,6 +95,17 @@ def test_unquantized_draft_keeps_greedy_equivalence(pair_args, capsys):
     assert texts["google"] == texts["target"] and texts["deepmind"] == texts["target"]
 
 
+def test_compiled_path_keeps_greedy_equivalence(pair_args, capsys, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="specdec.models.startup"):
+        assert main(pair_args + ["--temperature", "0", "-M", "24", "--draft_quantization", "none",
+                                 "--compile", "true"]) == 0
+    assert sum("compiled the" in r.getMessage() and "static cache" in r.getMessage() for r in caplog.records) == 2
+    texts = completions(capsys.readouterr().out)
+    assert texts["google"] == texts["target"] and texts["deepmind"] == texts["target"]
+
+
 def test_verbose_marks_each_token_by_source(pair_args, capsys):
     assert main(pair_args + ["-v", "--method", "google", "-M", "24"]) == 0
     out = capsys.readouterr().out
@@ -143,6 +154,7 @@ def test_benchmark_prints_speedup_over_target(pair_args, capsys):
     (["--draft_confidence_threshold", "sure"], "draft_confidence_threshold"),
     (["--dtype", "int4"], "dtype"),
     (["--draft_quantization", "int4"], "draft_quantization"),
+    (["--compile", "sometimes"], "--compile"),
     (["--device", "tpu9"], "device"),
     (["--lookup_max_tokens", "0"], "--lookup_max_tokens"),
     (["--lookup_max_ngram", "many"], "--lookup_max_ngram"),

@@ -27,6 +27,16 @@ def test_layers_override_in_order(tmp_path):
     assert settings.top_k == 0  # an empty variable counts as unset
 
 
+def test_compile_from_the_file_and_the_environment(tmp_path):
+    assert load_settings(environ={}).compile == "auto"
+    file = tmp_path / "site.toml"
+    file.write_text("compile = true\n")
+    assert load_settings(environ={"SPECDEC_CONFIG": str(file)}).compile == "true"
+    assert load_settings(environ={"SPECDEC_CONFIG": str(file), "SPECDEC_COMPILE": "False"}).compile == "false"
+    with pytest.raises(ConfigError, match="compile.*SPECDEC_COMPILE"):
+        load_settings(environ={"SPECDEC_COMPILE": "sometimes"})
+
+
 def test_drafter_and_verification_from_the_environment():
     settings = load_settings(environ={"SPECDEC_DRAFTER": "Hybrid", "SPECDEC_VERIFICATION": "block"})
     assert (settings.sampling.drafter, settings.sampling.verification) == ("hybrid", "block")

@@ -67,8 +67,16 @@ def _cpu_signature() -> str:
 
 @functools.cache
 def few_rows_kernel() -> bool:
-    """Whether `torch.ops.specdec.few_rows_linear` is usable here: built and loaded on the first call."""
-    return hasattr(torch.ops.specdec, "few_rows_linear") or build_kernel(FEW_ROWS_SOURCE)
+    """Whether `torch.ops.specdec.few_rows_linear` is usable here: built and loaded on the first call, with its
+    shape function, so that torch.compile can trace a model that calls it (specdec.compiled)."""
+    if not (hasattr(torch.ops.specdec, "few_rows_linear") or build_kernel(FEW_ROWS_SOURCE)):
+        return False
+    torch.library.register_fake("specdec::few_rows_linear", _few_rows_shape)
+    return True
+
+
+def _few_rows_shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def build_kernel(source: Path) -> bool:

@@ -8,6 +8,7 @@ Local folders, GGUF files and the default pair never touch the hub; a hub id tha
 SpecDecError sentence.
 """
 
+from ..compiled import MAX_WIDTH, compile_model, resolve_compile
 from ..errors import SpecDecError
 from .kernels import apply_cpu_kernels, layer_kinds
 from .load import load_draft, load_model, read_soon
@@ -20,7 +21,7 @@ from .tokenizers import load_and_check_tokenizers
 
 def load_pair(draft: str | None = None, target: str | None = None, device: str = "auto", dtype: str = "auto",
               device_map=None, trust_remote_code: bool = False, cpu_kernels: bool = True,
-              draft_quantization: str | None = "int8"):
+              draft_quantization: str | None = "int8", compile: str | bool = "auto"):
     """(draft_model, target_model, tokenizer) ready for SpeculativeDecoder; None or "default" is the default pair.
 
     `device_map` (e.g. "auto") spreads the target over several GPUs with accelerate; the draft stays on `device`.
@@ -35,6 +36,10 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     "none" (or None) keeps the draft as loaded. The target is never quantized. The default pair's int8 draft is
     kept in the cache and read from there at later starts (`load_draft`).
 
+    `compile`: "auto" (default), True or False: the compiled static-cache path (specdec.compiled): each model's
+    KV cache preallocated, and its forwards of up to `compiled.MAX_WIDTH` tokens compiled with torch.compile, every
+    width before this returns. "auto" is on for CUDA and off on CPU (`compiled.resolve_compile`).
+
     Each step logs one line with its seconds ("start-up: ...").
     """
     from ..engine import check_vocabularies
@@ -42,6 +47,7 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     with startup_step("checked the model sources"):
         draft_quantization = resolve_draft_quantization(draft_quantization)
         device = resolve_device(device)
+        compiled = resolve_compile(compile, device)
         dtype = resolve_dtype(dtype, device)
         target_source = resolve_source(target, "target")
         draft_source = resolve_source(draft, "draft")
@@ -68,4 +74,9 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
         apply_cpu_kernels(draft_model, target_model, draft_quantization, cpu_kernels)
         release_free_memory()
         note["detail"] = f"draft: {layer_kinds(draft_model)}; target: {layer_kinds(target_model)}"
+    if compiled:
+        for role, model in (("draft", draft_model), ("target", target_model)):
+            with startup_step(f"compiled the {role}'s forwards of 1 to {MAX_WIDTH} tokens") as note:
+                note["detail"] = "static cache of {} tokens".format(model.specdec_static.max_len) \
+                    if compile_model(model, device) else "not compiled: it stays eager"
     return draft_model, target_model, tokenizer

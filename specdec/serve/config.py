@@ -39,6 +39,7 @@ class Settings(BaseModel):
     device: str = Field(min_length=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"]
     draft_quantization: Literal["int8", "none"]
+    compile: Literal["auto", "true", "false"]
     method: Literal[SERVED_METHODS]
     drafter: Literal[DRAFTERS]
     verification: Literal[VERIFICATIONS]
@@ -78,9 +79,11 @@ class Settings(BaseModel):
             return None
         return value
 
-    @field_validator("log_level", "dtype", "draft_quantization", "drafter", "verification", mode="before")
+    @field_validator("log_level", "dtype", "draft_quantization", "drafter", "verification", "compile", mode="before")
     @classmethod
     def _lower(cls, value):
+        if isinstance(value, bool):  # compile = true in a TOML file
+            return "true" if value else "false"
         return value.strip().lower() if isinstance(value, str) else value
 
     @field_validator("api_keys_file")

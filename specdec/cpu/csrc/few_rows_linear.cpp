@@ -217,6 +217,12 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
 
 }  // namespace
 
+// the schema alone, and the kernel for CPU tensors: a shape function can then be registered beside it (Python's
+// torch.library.register_fake), so that torch.compile traces a model that calls it
 TORCH_LIBRARY(specdec, m) {
-  m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", few_rows_linear);
+  m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("few_rows_linear", few_rows_linear);
 }

@@ -1,0 +1,153 @@
+"""The compiled static-cache path: a model's KV cache preallocated once, where rollback moves a position, and its
+forwards of a few tokens (the draft's step, the target's verification) compiled with `torch.compile`.
+
+gpt-fast's answer to rounds bound by per-operation overhead rather than bytes (a GPU, or a small pair): one
+`StaticCache` per model, sized at load time and reused by each request in turn (batch size 1, one request at a
+time), and one compiled graph per forward width (inductor on CPU; `reduce-overhead`, CUDA graphs, on CUDA).
+After width 1, torch.compile makes the width dynamic, so two compilations serve every width up to `max_width`;
+wider forwards (a prompt's prefill) run eagerly on the same cache. A request that could outgrow the cache uses the
+dynamic cache (kv_cache.CachedModel) instead.
+
+    compile_model(model, device)        # what load_pair(compile=...) does to each model of the pair
+    cached = cache_for(model, needed)   # the engine: a StaticCachedModel where the model has a compiled form
+"""
+
+import logging
+
+import torch
+from transformers import StaticCache
+
+from .errors import SpecDecError
+from .kv_cache import CachedModel, context_length, input_device
+
+logger = logging.getLogger(__name__)
+
+COMPILE_CHOICES = ("auto", "true", "false")
+STATIC_CACHE_TOKENS = 8192  # the longest sequence a static cache holds (capped by the model's context)
+MAX_WIDTH = 17  # the widest compiled forward: gamma up to 16 and its bonus position
+RECOMPILE_LIMIT = 64  # graphs per compiled function: two per model, and the tests' many tiny models in one process
+
+
+def resolve_compile(value, device: torch.device) -> bool:
+    """"auto" | True | False (or "true" / "false"): whether the pair takes the compiled path. `auto` is on for
+    CUDA, where a small pair's rounds are bound by kernel launches, and off on CPU, where the default pair's
+    forwards are bound by memory bandwidth and the eager path with our few-rows kernels measured faster
+    (bench/README.md)."""
+    name = str(value).strip().lower() if value is not None else "auto"
+    if isinstance(value, bool):
+        name = "true" if value else "false"
+    if name not in COMPILE_CHOICES:
+        raise SpecDecError(f"compile must be auto, true or false, got {value!r}", field="compile")
+    if name == "auto":
+        return torch.device(device).type == "cuda"
+    return name == "true"
+
+
+class StaticDecoding:
+    """One model's compiled form: its static cache and its compiled step. Requests take turns with the cache
+    (`claim`); a cache a newer request has claimed refuses the older one's forwards instead of mixing them."""
+
+    def __init__(self, model, max_len: int, mode: str | None):
+        self.model = model
+        self.max_len = max_len
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.owner: object | None = None
+        self.mode = mode
+        self.step = torch.compile(self._forward, fullgraph=True, mode=mode)
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[0]
+
+    def claim(self, owner: object) -> StaticCache:
+        """The cache, emptied for a new request (only its position moves)."""
+        self.owner = owner
+        self.cache.crop(-int(self.cache.get_seq_length()))
+        return self.cache
+
+    @torch.inference_mode()
+    def forward(self, owner: object, ids: torch.Tensor) -> torch.Tensor:
+        """(n, V): the logits of the n new tokens, after the cached ones."""
+        if owner is not self.owner:
+            raise SpecDecError("this model's static cache was taken by a newer request")
+        if ids.shape[1] > MAX_WIDTH:
+            return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[0]
+        out = self.step(ids)
+        return out.clone() if self.mode == "reduce-overhead" else out  # a CUDA graph's output is overwritten
+
+    def warm_up(self) -> int:
+        """Compile (and on CUDA, record) every width up to MAX_WIDTH on a throwaway sequence; returns the widths."""
+        device = input_device(self.model)
+        ids = torch.zeros(1, MAX_WIDTH + 1, dtype=torch.long, device=device)
+        owner = object()
+        self.claim(owner)
+        with torch.inference_mode():
+            self.model(input_ids=ids[:, :1], cache=self.cache, use_cache=True)
+            for width in range(1, MAX_WIDTH + 1):
+                self.forward(owner, ids[:, :width])
+                self.cache.crop(-width)
+        self.claim(None)
+        return MAX_WIDTH
+
+
+class StaticCachedModel(CachedModel):
+    """CachedModel over a model's StaticDecoding: the same `length`, `forward` and `rollback`, on the
+    preallocated cache."""
+
+    def __init__(self, static: StaticDecoding):
+        self.model = static.model
+        self.device = input_device(static.model)
+        self.static = static
+        self.cache = static.claim(self)
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def forward(self, tokens: list[int], keep: int = 1) -> torch.Tensor:
+        if self._length + len(tokens) > self.static.max_len:
+            raise SpecDecError(f"the static cache holds {self.static.max_len} tokens")
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        logits = self.static.forward(self, ids)
+        self._length += len(tokens)
+        return logits[-keep:]
+
+    def rollback(self, length: int) -> None:
+        extra = self._length - length
+        if extra > 0:
+            self.cache.crop(-extra)
+            self._length = length
+
+
+def cache_for(model, needed: int) -> CachedModel:
+    """The model's cache for a request that may hold `needed` tokens: its static cache where it has a compiled
+    form that holds them, else a fresh dynamic one."""
+    static = getattr(model, "specdec_static", None)
+    if static is not None and needed <= static.max_len:
+        return StaticCachedModel(static)
+    return CachedModel(model)
+
+
+def compile_model(model, device: torch.device) -> bool:
+    """Give `model` its compiled form (`model.specdec_static`) and compile every width. Returns whether it did: a
+    model whose forward cannot be compiled whole (one warning says why) keeps the eager path.
+
+    The model's attention goes back to the library's sdpa first: ours (specdec.cpu.attention) decides per call
+    from the mask's values, which a compiled graph cannot. Our few-rows linear layers stay: their operator has a
+    shape function, so they compile into the graph as calls.
+    """
+    from .cpu.attention import restore_attention
+
+    restore_attention(model)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    limit = context_length(model) or STATIC_CACHE_TOKENS
+    mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
+    static = StaticDecoding(model, min(limit, STATIC_CACHE_TOKENS), mode)
+    try:
+        static.warm_up()
+    except Exception as error:  # anything torch.compile refuses leaves the model as it was
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        logger.warning("%s cannot be compiled whole (%s); it stays eager", type(model).__name__, reason)
+        return False
+    model.specdec_static = static
+    return True

@@ -1,0 +1,234 @@
+"""The compiled static-cache path (specdec/compiled.py) on tiny transformers models, CPU inductor: samples follow
+the target's distribution for every method, drafter and verification rule (chi-square, as in test_exactness.py,
+with a deliberately wrong rule that must fail), greedy output equals eager target-only output, the static cache
+rolls back by position, serves one request at a time, and a request it cannot hold takes the dynamic cache.
+
+Compiling costs seconds per graph, so the module compiles one pair, once, on one worker."""
+
+import copy
+import random
+
+import pytest
+import torch
+
+from specdec import SpecDecError, SpeculativeDecoder
+from specdec.compiled import MAX_WIDTH, StaticCachedModel, cache_for, compile_model, resolve_compile
+from specdec.kv_cache import CachedModel
+from tests.support.models import make_model, perturbed_copy
+from tests.test_exactness import (
+    DRAFTER_SAMPLES,
+    SETTINGS,
+    VOCAB,
+    draw,
+    exact_distribution,
+    goodness_of_fit,
+    plain_p,
+    prompt_for,
+)
+
+pytestmark = pytest.mark.xdist_group("compiled")
+CPU = torch.device("cpu")
+
+
+def close_llama_pair(vocab: int = VOCAB, **config):
+    target = make_model("llama", seed=0, vocab_size=vocab, initializer_range=0.3, **config)
+    return perturbed_copy(target, noise=0.05), target
+
+
+@pytest.fixture(scope="module")
+def compiled_pair():
+    """A one-layer Llama pair over 8 tokens, close enough that drafts are often accepted, compiled."""
+    draft, target = close_llama_pair(layers=1, hidden=16)
+    assert compile_model(draft, CPU) and compile_model(target, CPU)
+    return draft, target
+
+
+@pytest.fixture(scope="module")
+def far_pair():
+    """An unrelated draft beside the same kind of target, compiled: most drafts are rejected, so a wrong
+    residual shows."""
+    target = make_model("llama", seed=0, vocab_size=VOCAB, layers=1, hidden=16, initializer_range=0.3)
+    draft = make_model("llama", seed=1, vocab_size=VOCAB, layers=1, hidden=16, initializer_range=0.3)
+    assert compile_model(draft, CPU) and compile_model(target, CPU)
+    return draft, target
+
+
+@pytest.fixture(scope="module")
+def greedy_pairs():
+    """(eager, compiled) copies of a two-layer pair over 100 tokens, for greedy comparisons."""
+    eager = close_llama_pair(vocab=100)
+    compiled = tuple(copy.deepcopy(model) for model in eager)
+    assert all(compile_model(model, CPU) for model in compiled)
+    return eager, compiled
+
+
+# --- exactness ---------------------------------------------------------------------------------------------------
+
+# every drafter under both rules, both variants, on the compiled pair
+# the hybrid's prompt here has both drafters proposing and accepted (the lookup on its repeats, the model after)
+HYBRID_PROMPT = [3, 1, 4, 1, 3, 1, 4, 1, 3, 1]
+COMPILED_RULES = [("model", "token", "google"), ("model", "block", "deepmind"), ("lookup", "token", "deepmind"),
+                  ("lookup", "block", "google"), ("hybrid", "token", "google"), ("hybrid", "block", "deepmind")]
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("drafter, rule, variant", COMPILED_RULES)
+def test_compiled_samples_follow_target_distribution(compiled_pair, drafter, rule, variant):
+    draft, target = compiled_pair
+    prompt, totals = HYBRID_PROMPT if drafter == "hybrid" else prompt_for(drafter), {}
+    expected = exact_distribution(target, *SETTINGS["t0.8-topk5-topp0.9"], prompt=prompt)
+    counts = draw(SpeculativeDecoder(draft, target), variant, SETTINGS["t0.8-topk5-topp0.9"], DRAFTER_SAMPLES,
+                  seed=17, prompt=prompt, totals=totals, drafter=drafter, verification=rule)
+    assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
+    accepted = {name: count for (kind, name), count in totals.items() if kind == "accepted_by_drafter"}
+    assert all(accepted.get(name, 0) > 0 for name in ({"model", "lookup"} if drafter == "hybrid" else {drafter}))
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("method", ["google", "deepmind"])
+def test_compiled_adaptive_gamma_samples_follow_target_distribution(compiled_pair, monkeypatch, method):
+    draft, target = compiled_pair
+    lengths = random.Random(5)
+    monkeypatch.setattr("specdec.engine.AdaptiveGamma.choose", lambda self: lengths.randint(1, 4))
+    expected = exact_distribution(target, *SETTINGS["t1"])
+    counts = draw(SpeculativeDecoder(draft, target), method, SETTINGS["t1"], DRAFTER_SAMPLES, gamma=None, seed=19)
+    assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
+
+
+@pytest.mark.statistical
+def test_compiled_target_only_follows_target_distribution(compiled_pair):
+    _, target = compiled_pair
+    counts = draw(SpeculativeDecoder(target, target), "target", SETTINGS["t1.5"], DRAFTER_SAMPLES, seed=23)
+    assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1.5"]), DRAFTER_SAMPLES) > 1e-3
+
+
+@pytest.mark.statistical
+def test_a_wrong_rule_fails_the_test_on_the_compiled_path(far_pair, monkeypatch):
+    draft, target = far_pair
+    monkeypatch.setattr("specdec.verification.residual_probs", plain_p)
+    counts = draw(SpeculativeDecoder(draft, target), "google", SETTINGS["t1"], 5_000, seed=29)
+    assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), 5_000) < 1e-6
+
+
+@pytest.mark.statistical
+def test_the_far_pair_passes_with_the_right_rule(far_pair):
+    """The same draws with the right rule pass: the failure above is the rule's, not the pair's."""
+    draft, target = far_pair
+    counts = draw(SpeculativeDecoder(draft, target), "google", SETTINGS["t1"], 5_000, seed=29)
+    assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), 5_000) > 1e-3
+
+
+@pytest.mark.parametrize("drafter, rule, method", COMPILED_RULES + [("model", "token", "adaptive")])
+def test_compiled_greedy_equals_eager_target_only(greedy_pairs, drafter, rule, method):
+    (draft, target), (fast_draft, fast_target) = greedy_pairs
+    prompt = [5, 17, 42, 8, 99, 3, 5, 17, 42, 8]
+    reference = SpeculativeDecoder(draft, target).generate(prompt, max_new_tokens=40, method="target",
+                                                           temperature=0, eos_token_id=[]).token_ids
+    compiled = SpeculativeDecoder(fast_draft, fast_target)
+    gamma = None if method == "adaptive" else 4
+    result = compiled.generate(prompt, max_new_tokens=40, method="google" if method == "adaptive" else method,
+                               gamma=gamma, temperature=0, drafter=drafter, verification=rule, eos_token_id=[])
+    assert result.token_ids == reference
+    assert compiled.generate(prompt, max_new_tokens=40, method="target", temperature=0,
+                             eos_token_id=[]).token_ids == reference
+
+
+# --- the static cache --------------------------------------------------------------------------------------------
+
+def test_requests_use_the_static_cache_and_its_rollback_moves_the_position(greedy_pairs):
+    _, (_, target) = greedy_pairs
+    cached = cache_for(target, 50)
+    assert isinstance(cached, StaticCachedModel) and cached.length == 0
+    ids = list(range(3, 23))
+    first = cached.forward(ids[:12], keep=12)
+    cached.forward(ids[12:16], keep=4)
+    cached.rollback(12)
+    assert cached.length == 12 and int(cached.cache.get_seq_length()) == 12
+    again = cached.forward(ids[12:20], keep=8)  # the rolled-back positions are written over
+    with torch.no_grad():
+        plain = target(input_ids=torch.tensor([ids[:20]])).logits[0]
+    assert torch.allclose(torch.cat((first, again)), plain, atol=1e-5)
+
+
+def test_a_newer_request_takes_the_static_cache_and_the_older_one_is_refused(greedy_pairs):
+    _, (_, target) = greedy_pairs
+    older = cache_for(target, 50)
+    older.forward([1, 2, 3])
+    newer = cache_for(target, 50)
+    assert newer.length == 0 and int(newer.cache.get_seq_length()) == 0
+    with pytest.raises(SpecDecError, match="taken by a newer request"):
+        older.forward([4])
+    newer.forward([1, 2, 3])
+
+
+def test_a_request_longer_than_the_static_cache_takes_the_dynamic_cache(greedy_pairs):
+    (draft, target), (fast_draft, fast_target) = greedy_pairs
+    longest = fast_target.specdec_static.max_len
+    assert type(cache_for(fast_target, longest + 1)) is CachedModel
+    assert type(cache_for(target, 10)) is CachedModel  # no compiled form: the dynamic cache
+    prompt = [7] * (longest - 30)  # with 40 new tokens it outgrows the static cache
+    eager = SpeculativeDecoder(draft, target).generate(prompt, max_new_tokens=40, temperature=0, eos_token_id=[])
+    compiled = SpeculativeDecoder(fast_draft, fast_target).generate(prompt, max_new_tokens=40, temperature=0,
+                                                                    eos_token_id=[])
+    assert compiled.token_ids == eager.token_ids
+
+
+def test_forwards_wider_than_the_compiled_widths_run_eagerly_on_the_static_cache(greedy_pairs):
+    _, (_, target) = greedy_pairs
+    cached = cache_for(target, 100)
+    ids = list(range(2, 2 + MAX_WIDTH + 5))
+    out = cached.forward(ids, keep=len(ids))
+    with torch.no_grad():
+        assert torch.allclose(out, target(input_ids=torch.tensor([ids])).logits[0], atol=1e-5)
+
+
+# --- choosing the path -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, device, expected", [
+    ("auto", "cpu", False), ("auto", "cuda", True), (True, "cpu", True), ("false", "cuda", False),
+    ("TRUE", "cpu", True), (None, "cpu", False), (False, "cpu", False)])
+def test_resolve_compile(value, device, expected):
+    assert resolve_compile(value, torch.device(device)) is expected
+
+
+def test_resolve_compile_refuses_other_values():
+    with pytest.raises(SpecDecError, match="compile must be auto, true or false") as error:
+        resolve_compile("sometimes", CPU)
+    assert error.value.field == "compile"
+
+
+def test_load_pair_compiles_and_logs_the_seconds(tiny_pair_dirs, caplog):
+    import logging
+
+    from specdec import load_pair
+
+    with caplog.at_level(logging.INFO, logger="specdec.models.startup"):
+        draft, target, _ = load_pair(*tiny_pair_dirs, device="cpu", compile=True, draft_quantization="none")
+    assert hasattr(draft, "specdec_static") and hasattr(target, "specdec_static")
+    lines = [r.getMessage() for r in caplog.records if "compiled the" in r.getMessage()]
+    assert len(lines) == 2 and all("static cache of" in line for line in lines)
+    eager_draft, eager_target, _ = load_pair(*tiny_pair_dirs, device="cpu", compile="auto")
+    assert not hasattr(eager_target, "specdec_static")  # auto: off on CPU
+
+
+@pytest.mark.usefixtures("clean_env")
+def test_the_service_compiles_before_it_is_ready_and_serves_greedy_target_only(tiny_pair_dirs, caplog):
+    import logging
+
+    from specdec.serve import create_app
+
+    draft_dir, target_dir = tiny_pair_dirs
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        app = create_app({"draft_model": draft_dir, "target_model": target_dir, "device": "cpu",
+                          "compile": "true", "draft_quantization": "none"})
+        assert app.extensions["specdec"].wait_until_loaded(600)
+    messages = [record.getMessage() for record in caplog.records]
+    compiled = [i for i, m in enumerate(messages) if m.startswith("start-up: compiled the")]
+    ready = [i for i, m in enumerate(messages) if m.startswith("models ready in")]
+    assert len(compiled) == 2 and ready and max(compiled) < ready[0]
+    client = app.test_client()
+    assert client.get("/readyz").status_code == 200
+    body = {"prompt": "def add(a, b):", "max_new_tokens": 24, "temperature": 0}
+    speculative = client.post("/predict", json={**body, "method": "google"}).get_json()
+    target_only = client.post("/predict", json={**body, "method": "target"}).get_json()
+    assert speculative["text"] == target_only["text"] and speculative["usage"]["completion_tokens"] > 0

@@ -96,8 +96,9 @@ class Server:
         environ = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_")}
         environ.update({f"SPECDEC_{k.upper()}": str(v) for k, v in settings.items()})
         paths = [str(ROOT), *filter(None, [environ.get("PYTHONPATH")])]
-        environ.update(SPECDEC_HOST="127.0.0.1", SPECDEC_PORT=str(self.port), PYTHONPATH=os.pathsep.join(paths),
-                       OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", **(env or {}))
+        environ.update({"SPECDEC_HOST": "127.0.0.1", "SPECDEC_PORT": str(self.port),
+                        "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+                        "PYTHONUNBUFFERED": "1", **(env or {})})
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen([sys.executable, "serving.py"], cwd=ROOT, env=environ, stdout=log,
                                             stderr=subprocess.STDOUT)

@@ -19,6 +19,7 @@ from transformers import StaticCache
 
 from .errors import SpecDecError
 from .kv_cache import CachedModel, context_length, input_device
+from .threads import unpatched
 
 logger = logging.getLogger(__name__)
 
@@ -144,10 +145,13 @@ def compile_model(model, device: torch.device) -> bool:
     mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
     static = StaticDecoding(model, min(limit, STATIC_CACHE_TOKENS), mode)
     try:
-        static.warm_up()
+        # the compiler runs as a child process, one at a time (a pool's threads would be greenlets under gevent)
+        with unpatched("os", "subprocess", "signal"), torch._inductor.config.patch(compile_threads=1):
+            static.warm_up()
     except Exception as error:  # anything torch.compile refuses leaves the model as it was
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        logger.warning("%s cannot be compiled whole (%s); it stays eager", type(model).__name__, reason)
+        logger.warning("%s cannot be compiled whole (%s); it stays eager", type(model).__name__, reason,
+                       exc_info=logger.isEnabledFor(logging.DEBUG))
         return False
     model.specdec_static = static
     return True

@@ -4,8 +4,10 @@ thread that started them waits: reads of weights, fbgemm's packing and the engin
 
 - `start_os_thread`: fn on a new OS thread; its `Future` (the engine thread of the service).
 - `Job`: fn on a new OS thread; `result()` blocks the calling OS thread until it is done (start-up work).
-- `thread_map`: a list comprehension computed by a few OS threads, in order (reading and packing weights)."""
+- `thread_map`: a list comprehension computed by a few OS threads, in order (reading and packing weights).
+- `unpatched`: the standard library's own process functions for a while (torch.compile running the compiler)."""
 
+import contextlib
 import importlib
 import sys
 import threading
@@ -24,6 +26,28 @@ def _original(module: str, name: str):
     if gevent_patched(module):
         return sys.modules["gevent.monkey"].get_original(module, name)
     return getattr(importlib.import_module(module), name)
+
+
+@contextlib.contextmanager
+def unpatched(*modules: str):
+    """The standard library's own functions in `modules` (e.g. "os", "subprocess") for the duration, where gevent
+    has patched them. gevent's subprocess and os.waitpid need the main thread's event loop ("child watchers are
+    only available on the default loop"), and torch.compile runs the C++ compiler from the engine thread. The
+    swap is process-wide: nothing else in the worker starts processes meanwhile."""
+    monkey = sys.modules.get("gevent.monkey")
+    saved = getattr(monkey, "saved", {}) if monkey is not None else {}
+    swapped = []
+    try:
+        for module_name in modules:
+            module = sys.modules.get(module_name)
+            for name, original in saved.get(module_name, {}).items():
+                if module is not None and hasattr(module, name):
+                    swapped.append((module, name, getattr(module, name)))
+                    setattr(module, name, original)
+        yield
+    finally:
+        for module, name, value in reversed(swapped):
+            setattr(module, name, value)
 
 
 def start_os_thread(fn: Callable, *args, name: str | None = None) -> Future:

@@ -315,3 +315,23 @@ def test_a_model_that_cannot_load_stops_the_server(tmp_path, tiny_pair_dirs):
     finally:
         server.stop()
     assert "model loading failed: the target model" in server.log()
+
+
+def test_the_compiled_path_under_gunicorn(tmp_path, tiny_pair_dirs):
+    """Compiling runs the C++ compiler from the engine thread, under gevent: both models compile before /readyz
+    says 200, and greedy speculative answers equal target-only ones, JSON and SSE."""
+    draft_dir, target_dir = tiny_pair_dirs
+    server = Server(tmp_path / "server.log", draft_model=draft_dir, target_model=target_dir, device="cpu",
+                    compile="true", draft_quantization="none")
+    try:
+        server.wait_ready(timeout=600)
+        compiled = re.findall(r"start-up: compiled the (draft|target)'s forwards .*\(static cache of", server.log())
+        assert sorted(compiled) == ["draft", "target"], server.log()[-3000:]
+        body = {"prompt": PROMPT, "max_new_tokens": 32, "temperature": 0}
+        target_only = post(server, {**body, "method": "target"}).json()["text"]
+        assert post(server, {**body, "method": "google", "drafter": "hybrid"}).json()["text"] == target_only
+        streamed = post(server, {**body, "method": "google", "stream": True}, stream=True)
+        events = [json.loads(line.removeprefix(b"data: ")) for line in streamed.iter_lines() if line]
+        assert "".join(event["text"] for event in events) == target_only
+    finally:
+        server.stop()

@@ -1,0 +1,174 @@
+"""Rounds bound by overhead: eager against compiled (specdec/compiled.py), in-process against the running service,
+the engine's time per round outside the forwards, and Hugging Face `generate` and assisted generation on the
+same models, side by side. Greedy, gamma 4, the model drafter, token verification; generated tokens only.
+
+    python -m bench.overhead                          # the tests' tiny pair (rounds bound by per-operation cost)
+    python -m bench.overhead --pair default --tokens 64 --repeats 2   # the default pair (`make models`)
+
+Each configuration loads the pair as the service does (`load_pair`, with `compile` false or true) and decodes
+the same prompt `--repeats` times after one warm-up; the service rows start `python serving.py` with the same
+settings and time `POST /predict` from the client, JSON and SSE. Writes results.json and results.md to --out.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import requests
+import torch
+
+from bench.machine import machine_info
+from bench.methods import MODES, run_hf
+from bench.stress import Server, save_pair
+from specdec import SpeculativeDecoder
+from specdec.models.pair import load_pair
+from specdec.text import encode_prompt
+
+PROMPT = "def fibonacci(n):\n    "
+METHODS = ("target", "google")
+
+
+def in_process(decoder: SpeculativeDecoder, ids: list[int], method: str, tokens: int, repeats: int) -> dict:
+    """Median tokens/s of `repeats` runs after a warm-up, and the engine's per-round figures of the last."""
+    params = dict(max_new_tokens=tokens, method=method, gamma=4, temperature=0, seed=0, eos_token_id=[])
+    decoder.generate(ids, **params)
+    runs = [decoder.generate(ids, **params).stats for _ in range(repeats)]
+    last = runs[-1]
+    forwards = last.draft_seconds + last.target_seconds
+    return {"tokens_per_second": statistics.median(s.tokens_per_second for s in runs),
+            "new_tokens": last.new_tokens, "rounds": last.rounds,
+            "ms_per_round": 1e3 * last.total_seconds / last.rounds,
+            "ms_per_round_outside_forwards": 1e3 * (last.total_seconds - forwards) / last.rounds,
+            "acceptance_rate": last.acceptance_rate}
+
+
+def through_service(server: Server, method: str, tokens: int, repeats: int, stream: bool) -> dict:
+    """Median tokens/s of `POST /predict` timed from the client (generated tokens over the request's wall time)."""
+    body = {"prompt": PROMPT, "max_new_tokens": tokens, "method": method, "gamma": 4, "temperature": 0,
+            "seed": 0, "stream": stream}
+    rates = []
+    for i in range(repeats + 1):
+        started = time.perf_counter()
+        response = requests.post(server.url + "/predict", json=body, timeout=600, stream=stream)
+        response.raise_for_status()
+        if stream:
+            events = [line for line in response.iter_lines() if line.startswith(b"data: ")]
+            completion = json.loads(events[-1].removeprefix(b"data: "))["usage"]["completion_tokens"]
+        else:
+            completion = response.json()["usage"]["completion_tokens"]
+        seconds = time.perf_counter() - started
+        if i:  # the first is a warm-up
+            rates.append(completion / seconds)
+    return {"tokens_per_second": statistics.median(rates)}
+
+
+def hugging_face(draft_dir: str, target_dir: str, ids: list[int], tokens: int, repeats: int) -> dict:
+    """HF `generate` and assisted generation on the models exactly as `from_pretrained` loads them."""
+    from transformers import AutoModelForCausalLM
+
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    target.generation_config.eos_token_id = None  # as ours: exactly `tokens` new tokens
+    draft.generation_config.eos_token_id = None
+    rows = {}
+    for name, method in (("hf_generate", "hf_target"), ("hf_assisted", "hf_assisted")):
+        run_hf(method, draft, target, ids, tokens, MODES["greedy"], 0)
+        runs = [run_hf(method, draft, target, ids, tokens, MODES["greedy"], 0) for _ in range(repeats)]
+        rows[name] = {"tokens_per_second": statistics.median(r["new_tokens"] / r["total_seconds"] for r in runs)}
+    return rows
+
+
+def measure(args, draft_dir: str, target_dir: str, folder: Path) -> dict:
+    results = {}
+    for compiled in (False, True):
+        name = "compiled" if compiled else "eager"
+        draft, target, tokenizer = load_pair(draft_dir, target_dir, device=args.device, compile=compiled,
+                                             draft_quantization=args.draft_quantization)
+        decoder = SpeculativeDecoder(draft, target, tokenizer)
+        ids = encode_prompt(tokenizer, PROMPT, False)
+        for method in METHODS:
+            results[f"{name}/{method}/in-process"] = in_process(decoder, ids, method, args.tokens, args.repeats)
+        del decoder, draft, target
+        if args.no_service:
+            continue
+        server = Server(folder / f"{name}.log", env={"OMP_NUM_THREADS": str(args.threads)}, draft_model=draft_dir, target_model=target_dir, device=args.device,
+                        compile=str(compiled).lower(), draft_quantization=args.draft_quantization,
+                        max_new_tokens_limit=max(args.tokens, 1024)).wait_ready(timeout=1200)
+        try:
+            for method in METHODS:
+                for stream in (False, True):
+                    row = through_service(server, method, args.tokens, args.repeats, stream)
+                    row["vs_in_process"] = row["tokens_per_second"] / \
+                        results[f"{name}/{method}/in-process"]["tokens_per_second"]
+                    results[f"{name}/{method}/service-{'sse' if stream else 'json'}"] = row
+        finally:
+            server.stop()
+    results.update(hugging_face(draft_dir, target_dir, ids, args.tokens, args.repeats))
+    return results
+
+
+def markdown(report: dict) -> str:
+    rows = report["results"]
+    hf_generate, hf_assisted = rows["hf_generate"]["tokens_per_second"], rows["hf_assisted"]["tokens_per_second"]
+    lines = [f"`{report['command']}` ({report['date']}, {report['machine'].get('cpu')}, "
+             f"{report['pair']} pair, {report['tokens']} new tokens, greedy, gamma 4)", "",
+             "| path | method | where | tokens/s | vs in-process | vs HF generate | vs HF assisted "
+             "| ms per round | ms per round outside forwards |", "|---|---|---|---|---|---|---|---|---|"]
+    for key, row in rows.items():
+        if key.startswith("hf_"):
+            continue
+        path, method, where = key.split("/")
+        lines.append(f"| {path} | {method} | {where} | {row['tokens_per_second']:.1f} "
+                     f"| {row.get('vs_in_process', 1.0):.2f}x | {row['tokens_per_second'] / hf_generate:.2f}x "
+                     f"| {row['tokens_per_second'] / hf_assisted:.2f}x | {row.get('ms_per_round', float('nan')):.2f} "
+                     f"| {row.get('ms_per_round_outside_forwards', float('nan')):.2f} |")
+    lines += [f"| HF | generate | in-process | {hf_generate:.1f} | | 1.00x | | | |",
+              f"| HF | assisted generation | in-process | {hf_assisted:.1f} | | | 1.00x | | |"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pair", choices=("tiny", "default"), default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--draft-quantization", default=None,
+                        help="default: none for the tiny pair (compiled whole), int8 for the default pair")
+    parser.add_argument("--no-service", action="store_true", help="in-process rows only")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads, in-process and in the service (default: 1 for tiny, 2 for default)")
+    parser.add_argument("--out", default="bench/results/overhead")
+    args = parser.parse_args(argv)
+    args.draft_quantization = args.draft_quantization or ("none" if args.pair == "tiny" else "int8")
+    args.threads = args.threads or (1 if args.pair == "tiny" else 2)
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        if args.pair == "tiny":
+            draft_dir, target_dir = save_pair(folder)
+        else:
+            from specdec.models.default_pair import default_pair_paths
+
+            draft_dir, target_dir = default_pair_paths(prepare=False)
+        results = measure(args, draft_dir, target_dir, folder)
+    report = {"command": "python -m bench.overhead " + " ".join(sys.argv[1:] if argv is None else argv),
+              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
+              "pair": args.pair, "tokens": args.tokens, "repeats": args.repeats, "threads": args.threads,
+              "draft_quantization": args.draft_quantization, "results": results}
+    (out / "results.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    table = markdown(report)
+    (out / "results.md").write_text(table, encoding="utf-8")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,6 +13,7 @@ dynamic cache (kv_cache.CachedModel) instead.
 """
 
 import logging
+import types
 
 import torch
 from transformers import StaticCache
@@ -48,16 +49,21 @@ class StaticDecoding:
     """One model's compiled form: its static cache and its compiled step. Requests take turns with the cache
     (`claim`); a cache a newer request has claimed refuses the older one's forwards instead of mixing them."""
 
-    def __init__(self, model, max_len: int, mode: str | None):
+    def __init__(self, model, max_len: int, cuda_graphs: bool):
         self.model = model
         self.max_len = max_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         self.owner: object | None = None
-        self.mode = mode
-        self.step = torch.compile(self._forward, fullgraph=True, mode=mode)
-
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[0]
+        self.cuda_graphs = cuda_graphs
+        # A code object of its own: torch.compile keeps its graphs and guards per code object, so this model's
+        # graphs are never another's, and only the guards on tensors (shapes, dtypes, devices) need checking per
+        # call: the model and its settings do not change once compiled. The guards on Python objects cost more
+        # than the computation of a small model (about 120 us per call on our CPUs, `python -m bench.overhead`).
+        own = types.FunctionType(_step.__code__.replace(), _step.__globals__, _step.__name__)
+        options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
+        if cuda_graphs:
+            options["triton.cudagraphs"] = True  # mode "reduce-overhead", which cannot be named beside options
+        self.step = torch.compile(own, fullgraph=True, options=options)
 
     def claim(self, owner: object) -> StaticCache:
         """The cache, emptied for a new request (only its position moves)."""
@@ -72,8 +78,8 @@ class StaticDecoding:
             raise SpecDecError("this model's static cache was taken by a newer request")
         if ids.shape[1] > MAX_WIDTH:
             return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[0]
-        out = self.step(ids)
-        return out.clone() if self.mode == "reduce-overhead" else out  # a CUDA graph's output is overwritten
+        out = self.step(self, ids)
+        return out.clone() if self.cuda_graphs else out  # a CUDA graph's output is overwritten by the next call
 
     def warm_up(self) -> int:
         """Compile (and on CUDA, record) every width up to MAX_WIDTH on a throwaway sequence; returns the widths."""
@@ -88,6 +94,11 @@ class StaticDecoding:
                 self.cache.crop(-width)
         self.claim(None)
         return MAX_WIDTH
+
+
+def _step(decoding: StaticDecoding, ids: torch.Tensor) -> torch.Tensor:
+    """The compiled step: the logits of `ids` after the cached tokens, (n, V); the cache takes their keys."""
+    return decoding.model(input_ids=ids, cache=decoding.cache, use_cache=True).logits[0]
 
 
 class StaticCachedModel(CachedModel):
@@ -142,8 +153,7 @@ def compile_model(model, device: torch.device) -> bool:
     restore_attention(model)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     limit = context_length(model) or STATIC_CACHE_TOKENS
-    mode = "reduce-overhead" if torch.device(device).type == "cuda" else None
-    static = StaticDecoding(model, min(limit, STATIC_CACHE_TOKENS), mode)
+    static = StaticDecoding(model, min(limit, STATIC_CACHE_TOKENS), cuda_graphs=torch.device(device).type == "cuda")
     try:
         # the compiler runs as a child process, one at a time (a pool's threads would be greenlets under gevent)
         with unpatched("os", "subprocess", "signal"), torch._inductor.config.patch(compile_threads=1):

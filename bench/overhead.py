@@ -67,12 +67,15 @@ def through_service(server: Server, method: str, tokens: int, repeats: int, stre
     return {"tokens_per_second": statistics.median(rates)}
 
 
-def hugging_face(draft_dir: str, target_dir: str, ids: list[int], tokens: int, repeats: int) -> dict:
-    """HF `generate` and assisted generation on the models exactly as `from_pretrained` loads them."""
+def hugging_face(draft_dir: str, target_dir: str, ids: list[int], tokens: int, repeats: int,
+                 device: str = "cpu") -> dict:
+    """HF `generate` and assisted generation on the models exactly as `from_pretrained` loads them (float32 on
+    CPU, bfloat16 on CUDA, as `load_pair` chooses)."""
     from transformers import AutoModelForCausalLM
 
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=torch.float32).eval()
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).to(device).eval()
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
     target.generation_config.eos_token_id = None  # as ours: exactly `tokens` new tokens
     draft.generation_config.eos_token_id = None
     rows = {}
@@ -96,8 +99,9 @@ def measure(args, draft_dir: str, target_dir: str, folder: Path) -> dict:
         del decoder, draft, target
         if args.no_service:
             continue
-        server = Server(folder / f"{name}.log", env={"OMP_NUM_THREADS": str(args.threads)}, draft_model=draft_dir, target_model=target_dir, device=args.device,
-                        compile=str(compiled).lower(), draft_quantization=args.draft_quantization,
+        threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+        server = Server(folder / f"{name}.log", env=threads, draft_model=draft_dir, target_model=target_dir,
+                        device=args.device, compile=str(compiled).lower(), draft_quantization=args.draft_quantization,
                         max_new_tokens_limit=max(args.tokens, 1024)).wait_ready(timeout=1200)
         try:
             for method in METHODS:
@@ -108,7 +112,7 @@ def measure(args, draft_dir: str, target_dir: str, folder: Path) -> dict:
                     results[f"{name}/{method}/service-{'sse' if stream else 'json'}"] = row
         finally:
             server.stop()
-    results.update(hugging_face(draft_dir, target_dir, ids, args.tokens, args.repeats))
+    results.update(hugging_face(draft_dir, target_dir, ids, args.tokens, args.repeats, args.device))
     return results
 
 

@@ -437,12 +437,18 @@ def test_bound_interpolates_between_integer_gammas():
 def test_gpu_script_smoke_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
     done = subprocess.run([sys.executable, "-m", "bench.gpu", "--tiny", "--device", "cpu",
-                           "--context", "16", "--repeats", "1", "--tokens", "4", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+                           "--context", "16", "--repeats", "1", "--tokens", "8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
     assert [row["gamma"] for row in report["by_gamma"]] == list(range(1, 9))
     assert report["cost_ratio_c"] > 0
+    assert all(rate > 0 for path in ("eager", "compiled") for rate in report["random_pair_tokens_per_second"][path].values())
+    rows = report["pair"]["results"]  # part 2 on the tiny pair: both paths, in-process and through the service
+    for path in ("eager", "compiled"):
+        for where in ("in-process", "service-json", "service-sse"):
+            assert rows[f"{path}/google/{where}"]["tokens_per_second"] > 0
+    assert rows["hf_generate"]["tokens_per_second"] > 0 and rows["hf_assisted"]["tokens_per_second"] > 0
 
 
 def test_interference_script_smoke_on_tiny_pair(tiny_pair_dirs, tmp_path):

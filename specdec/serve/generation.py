@@ -66,6 +66,13 @@ class Generation:
                 or bool(chunk.token_ids) and chunk.token_ids[-1] in self.service.models.eos_token_ids)
 
     def run(self) -> None:
+        """Decode to the end (a JSON answer) in one engine call: the rounds and their checks (stop strings, the
+        time budget) run one after the other on the engine thread, where `step`'s engine calls run inline, with no
+        hand-off to the request's greenlet between rounds. Detokenizing runs there too, under the tokenizer's
+        lock; nothing else reads this generation's text until it returns."""
+        self.service.engine.call(self._decode_all)
+
+    def _decode_all(self) -> None:
         while self.step() is not None:
             pass
 

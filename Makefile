@@ -55,8 +55,12 @@ $(LINT_INSTALLED): requirements-lint.txt
 lint-deploy: $(LINT_INSTALLED)
 	$(LINT_VENV)/bin/python deploy/check.py
 
+# The benchmark, then rounds bound by overhead (eager against compiled, in-process against the service, HF's
+# methods) on the tiny pair and on the default pair
 bench: models
 	$(BIN)/python -m bench.benchmark --out bench/results
+	$(BIN)/python -m bench.overhead --out bench/results/overhead/tiny
+	$(BIN)/python -m bench.overhead --pair default --tokens 64 --repeats 2 --out bench/results/overhead/default
 
 stress: venv
 	$(BIN)/python -m bench.stress

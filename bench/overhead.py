@@ -117,22 +117,28 @@ def measure(args, draft_dir: str, target_dir: str, folder: Path) -> dict:
 
 
 def markdown(report: dict) -> str:
+    """One row per path and method: in-process figures, then the service's (JSON, SSE) as tokens/s and the
+    share of in-process; HF's two methods last."""
     rows = report["results"]
     hf_generate, hf_assisted = rows["hf_generate"]["tokens_per_second"], rows["hf_assisted"]["tokens_per_second"]
+
+    def service(key):
+        row = rows.get(key)
+        return "-" if row is None else f"{row['tokens_per_second']:.0f} ({row['vs_in_process']:.2f}x)"
+
     lines = [f"`{report['command']}` ({report['date']}, {report['machine'].get('cpu')}, "
              f"{report['pair']} pair, {report['tokens']} new tokens, greedy, gamma 4)", "",
-             "| path | method | where | tokens/s | vs in-process | vs HF generate | vs HF assisted "
-             "| ms per round | ms per round outside forwards |", "|---|---|---|---|---|---|---|---|---|"]
-    for key, row in rows.items():
-        if key.startswith("hf_"):
-            continue
-        path, method, where = key.split("/")
-        lines.append(f"| {path} | {method} | {where} | {row['tokens_per_second']:.1f} "
-                     f"| {row.get('vs_in_process', 1.0):.2f}x | {row['tokens_per_second'] / hf_generate:.2f}x "
-                     f"| {row['tokens_per_second'] / hf_assisted:.2f}x | {row.get('ms_per_round', float('nan')):.2f} "
-                     f"| {row.get('ms_per_round_outside_forwards', float('nan')):.2f} |")
-    lines += [f"| HF | generate | in-process | {hf_generate:.1f} | | 1.00x | | | |",
-              f"| HF | assisted generation | in-process | {hf_assisted:.1f} | | | 1.00x | | |"]
+             "| path | method | tokens/s in-process | vs HF generate | vs HF assisted | ms per round "
+             "(outside forwards) | service JSON (vs in-process) | service SSE |", "|---|---|---|---|---|---|---|---|"]
+    for path in ("eager", "compiled"):
+        for method in METHODS:
+            row = rows[f"{path}/{method}/in-process"]
+            rate = row["tokens_per_second"]
+            lines.append(f"| {path} | {method} | {rate:.0f} | {rate / hf_generate:.2f}x | {rate / hf_assisted:.2f}x "
+                         f"| {row['ms_per_round']:.2f} ({row['ms_per_round_outside_forwards']:.2f}) "
+                         f"| {service(f'{path}/{method}/service-json')} | {service(f'{path}/{method}/service-sse')} |")
+    lines += [f"| HF | generate | {hf_generate:.0f} | 1.00x | | | | |",
+              f"| HF | assisted generation | {hf_assisted:.0f} | | 1.00x | | | |"]
     return "\n".join(lines) + "\n"
 
 

@@ -39,12 +39,7 @@ class EngineThread:
         else:
             done: Future = Future()
             self._jobs.put((fn, args, done))
-            while True:  # under gevent the calling greenlet waits, and the event loop runs on
-                try:  # (a timeout keeps the loop alive: gevent would end one with nothing else to wait for)
-                    ok, value = done.result(timeout=1.0)
-                    break
-                except FutureTimeout:
-                    continue
+            ok, value = _wait(done)
         if not ok:
             raise value
         return value
@@ -84,6 +79,48 @@ class EngineThread:
             outcome = _captured(fn, args)
             if done is not None:
                 done.set_result(outcome)
+
+
+class Mailbox:
+    """Items from the engine thread to one reader, in order, ended by `close` (or `fail`, which raises in the
+    reader). The reader waits cooperatively: under gevent its greenlet waits and the event loop runs on."""
+
+    def __init__(self):
+        self._head = self._tail = Future()
+
+    def put(self, item) -> None:
+        self._push((True, item))
+
+    def fail(self, error: BaseException) -> None:
+        self._push((False, error))
+
+    def close(self) -> None:
+        self._push(None)
+
+    def _push(self, entry) -> None:
+        current, self._tail = self._tail, Future()
+        current.set_result((entry, self._tail))
+
+    def __iter__(self):
+        future = self._head
+        while True:
+            entry, future = _wait(future)
+            if entry is None:
+                return
+            ok, value = entry
+            if not ok:
+                raise value
+            yield value
+
+
+def _wait(future: Future):
+    """The future's result; under gevent the calling greenlet waits and the loop runs on (a timeout keeps the loop
+    alive: gevent would end one with nothing else to wait for)."""
+    while True:
+        try:
+            return future.result(timeout=1.0)
+        except FutureTimeout:
+            continue
 
 
 def _event_loop_turn() -> Callable[[], None] | None:

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 from ..stats import GenerationStats
 from ..text import Completion
+from .concurrency import Mailbox
 from .errors import to_api_error
 
 
@@ -29,6 +30,7 @@ class Generation:
         self.deadline = time.perf_counter() + service.settings.request_timeout  # the engine is ours until then
         self.timed_out = False
         self.final = False  # the round just decoded was the last: the next step ends without decoding
+        self.cancelled = False  # set by `close`: a pump on the engine thread stops before its next round
         self.closed = False
         self._close_lock = threading.Lock()
 
@@ -108,13 +110,36 @@ class Generation:
             body["tokens"] = self.completion.tokens
         return body
 
+    def pumped(self, event_of):
+        """Each round's event, as `event_of(kept)` makes it on the engine thread right after the round's checks
+        (stop strings, the time budget): the engine decodes round after round while the request's greenlet sends,
+        with no hand-off between rounds. Ends after the last round; `close` stops it before the next one. Nothing
+        else reads this generation's text until it has ended."""
+        mailbox = Mailbox()
+
+        def pump():
+            try:
+                while not self.cancelled and (kept := self.step()) is not None:
+                    mailbox.put(event_of(kept))
+            except BaseException as error:  # noqa: BLE001 - raised in the reader
+                mailbox.fail(error)
+            else:
+                mailbox.close()
+
+        self.service.engine.submit(pump)
+        yield from mailbox
+
+    def _event(self, kept: list[dict]) -> dict:
+        """/predict's event for one round (`pumped`)."""
+        event = {"text": self.completion.take()}
+        if self.details:
+            event["tokens"] = kept
+        return event
+
     def events(self):
         """/predict's Server-Sent Events: one per committed chunk, then one with finish_reason, usage and stats."""
         try:
-            while (kept := self.step()) is not None:
-                event = {"text": self.completion.take()}
-                if self.details:
-                    event["tokens"] = kept
+            for event in self.pumped(self._event):
                 yield sse(event)
             final = self.body()
             final["text"] = self.completion.take()
@@ -128,11 +153,12 @@ class Generation:
             self.close()
 
     def close(self) -> None:
+        self.cancelled = True
         with self._close_lock:
             if self.closed:
                 return
             self.closed = True
-        try:
+        try:  # after a pump's round in progress: the engine thread runs its jobs in order
             self.service.engine.call(self.stream.close)
         finally:
             self.slot.release()

@@ -231,9 +231,12 @@ def test_closing_a_stream_stops_generation(client, service, caplog):
 REFUSED = [  # (route, field values, param, code)
     ("completions", {"n": 2}, "n", "unsupported_value"),
     ("chat", {"n": 3}, "n", "unsupported_value"),
-    ("completions", {"logprobs": 1}, "logprobs", "unsupported_value"),
-    ("chat", {"logprobs": True}, "logprobs", "unsupported_value"),
-    ("chat", {"top_logprobs": 2}, "top_logprobs", "unsupported_value"),
+    ("completions", {"logprobs": 21}, "logprobs", "invalid_value"),
+    ("completions", {"logprobs": -1}, "logprobs", "invalid_value"),
+    ("completions", {"logprobs": True}, "logprobs", "invalid_value"),
+    ("chat", {"logprobs": 1}, "logprobs", "invalid_value"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs", "invalid_value"),  # without logprobs: true
     ("completions", {"presence_penalty": 0.5}, "presence_penalty", "unsupported_value"),
     ("chat", {"frequency_penalty": -1}, "frequency_penalty", "unsupported_value"),
     ("chat", {"logit_bias": {"5": 10}}, "logit_bias", "unsupported_value"),
@@ -241,7 +244,7 @@ REFUSED = [  # (route, field values, param, code)
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_value"),
     ("chat", {"tool_choice": "auto"}, "tool_choice", "unsupported_value"),
     ("chat", {"functions": [{"name": "f"}]}, "functions", "unsupported_value"),
-    ("completions", {"echo": True}, "echo", "unsupported_value"),
+    ("completions", {"echo": 1}, "echo", "invalid_value"),
     ("completions", {"best_of": 2}, "best_of", "unsupported_value"),
     ("completions", {"suffix": "}"}, "suffix", "unsupported_value"),
     ("completions", {"n": True}, "n", "unsupported_value"),
@@ -255,7 +258,8 @@ REFUSED = [  # (route, field values, param, code)
     ("completions", {"temperature": 2.5}, "temperature", "invalid_value"),
     ("completions", {"temperature": 1e-9}, "temperature", "invalid_value"),
     ("chat", {"top_p": 0}, "top_p", "invalid_value"),
-    ("completions", {"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ("completions", {"max_tokens": 0}, "max_tokens", "invalid_value"),  # only with echo
+    ("chat", {"max_tokens": 0}, "max_tokens", "invalid_value"),
     ("completions", {"max_tokens": 1025}, "max_tokens", "invalid_value"),
     ("chat", {"max_completion_tokens": 1025}, "max_completion_tokens", "invalid_value"),
     ("chat", {"max_tokens": "5"}, "max_tokens", "invalid_value"),
@@ -268,8 +272,15 @@ REFUSED = [  # (route, field values, param, code)
     ("completions", {"seed": 2**64}, "seed", "invalid_value"),
     ("completions", {"stop": [f"s{i}" for i in range(17)]}, "stop", "invalid_value"),
     ("completions", {"stop": [""]}, "stop", "invalid_value"),
-    ("completions", {"prompt": [1, 2, 3]}, "prompt", "invalid_value"),
-    ("completions", {"prompt": ["one", "two"]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": [1, 100]}, "prompt", "invalid_value"),  # the tiny vocabulary is 0..99
+    ("completions", {"prompt": [[1, 2], [3, 10**6]]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": [1, -2]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": [1, True]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": ["one", 2]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": [[1], []]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": ["one", ""]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": []}, "prompt", "invalid_value"),
+    ("completions", {"prompt": ["p"] * 17}, "prompt", "invalid_value"),  # max_prompts_per_request is 16
     ("completions", {"prompt": ""}, "prompt", "invalid_value"),
     ("chat", {"messages": []}, "messages", "invalid_value"),
     ("chat", {"messages": [{"role": "tool", "content": "42"}]}, "messages[0].role", "invalid_value"),
@@ -296,6 +307,7 @@ def test_no_op_values_of_unsupported_fields_are_accepted(client):
     noop = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "user": "u-1",
             "stop": None, "seed": None}
     assert complete(client, max_tokens=3, echo=False, best_of=1, logprobs=None, suffix="", **noop).status_code == 200
+    assert chat(client, max_tokens=3, logprobs=True, top_logprobs=0).status_code == 200
     response = chat(client, max_tokens=3, logprobs=False, top_logprobs=0, response_format={"type": "text"}, tools=[],
                     tool_choice="none", parallel_tool_calls=True, functions=[], function_call="none", **noop)
     assert response.status_code == 200, response.get_json()
@@ -437,12 +449,14 @@ def test_schemathesis_against_the_v1_routes(pair, path, mode):
     def fits(body: dict) -> bool:  # the document cannot say how many tokens a text makes
         try:
             if "messages" in body:
-                ids = service.encode(messages=ChatCompletionRequest.model_validate(body).chat_messages())
-            else:
-                ids = service.encode(CompletionRequest.model_validate(body).prompt_text)
+                prompts = [service.encode(messages=ChatCompletionRequest.model_validate(body).chat_messages())]
+            else:  # token ids: in the vocabulary (the document cannot say how large it is)
+                prompts = [service.check_token_ids(prompt) if isinstance(prompt, list) else service.encode(prompt)
+                           for prompt in CompletionRequest.model_validate(body).prompts]
         except ApiError:  # over the context by itself
             return False
-        return len(ids) + (body.get("max_tokens") or body.get("max_completion_tokens") or 1) <= 256
+        room = body.get("max_tokens") if body.get("max_tokens") is not None else body.get("max_completion_tokens")
+        return all(len(ids) + (1 if room is None else room) <= 256 for ids in prompts)
 
     statuses = []
 

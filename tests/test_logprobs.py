@@ -103,6 +103,8 @@ def test_greedy_logprobs_equal_target_only_decodings(arch):
     reference = decoder.generate(PROMPT, params=SamplingParams(max_new_tokens=30, method="target", temperature=0,
                                                                logprobs=TOP))
     assert len(reference.logprobs) == len(reference.token_ids) == 30
+    plain = plain_forward(decoder.target_model, PROMPT, reference.token_ids)[len(PROMPT) - 1:]
+    assert [t.logprob for t in reference.logprobs] == pytest.approx(plain.tolist(), abs=1e-4)
     for drafter in DRAFTERS:
         for rule in VERIFICATIONS:
             for method, gamma in RUNS:

@@ -166,12 +166,15 @@ class Service:
         """Wait for the engine (503 when overloaded), for a request that decodes several prompts in one turn:
         `generation(..., slot=...)` for each; released by `finish`, if not before."""
         self._refuse_if_draining(record.started)
+        record.slot = self._take_engine()
+        return record.slot
+
+    def _take_engine(self) -> Slot:
         try:
-            record.slot = self.scheduler.acquire()
+            return self.scheduler.acquire()
         except Overloaded as error:
             raise ApiError(503, "overloaded", str(error),
                            headers={"Retry-After": str(self.settings.retry_after)}) from None
-        return record.slot
 
     def generation(self, prompt_ids: list[int], sampling: SamplingParams, record: RequestRecord, stop=(),
                    details: bool = False, slot: Slot | None = None) -> Generation:
@@ -182,14 +185,7 @@ class Service:
         if sampling.seed is None:
             sampling = sampling.replace(seed=secrets.randbits(63))
         self._refuse_if_draining(record.started)  # the one way into the engine, whichever route comes this way
-        if slot is None:
-            try:
-                slot = self.scheduler.acquire()
-            except Overloaded as error:
-                raise ApiError(503, "overloaded", str(error),
-                               headers={"Retry-After": str(self.settings.retry_after)}) from None
-        else:
-            slot = _Borrowed(slot)
+        slot = self._take_engine() if slot is None else _Borrowed(slot)
         try:  # arguments are checked here; decoding starts on the engine thread, at the first round
             stream = self.decoder.stream(prompt_ids, params=sampling, eos_token_id=self.models.eos_token_ids)
         except BaseException:

@@ -74,11 +74,11 @@ SCHEMAS = {
             "usage": {"$ref": "#/components/schemas/Usage"},
             "stats": {"$ref": "#/components/schemas/GenerationStats"},
             "tokens": {"type": "array", "items": {"$ref": "#/components/schemas/Token"}},
-            "logprobs": {"type": "array", "items": {"$ref": "#/components/schemas/TokenLogprob"},
+            "logprobs": {"type": "array", "items": {"$ref": "#/components/schemas/PredictTokenLogprob"},
                          "description": "with logprobs: one per token of the text"},
         },
     },
-    "TokenLogprob": {
+    "PredictTokenLogprob": {
         "type": "object", "required": ["id", "token", "logprob", "top_logprobs"],
         "description": "the target's log-probability of a token (log-softmax of its raw logits, before "
                        "temperature, top-k and top-p) and the most likely alternatives",

@@ -1,7 +1,7 @@
 """What logprobs cost: the extra time per generated token when a request asks for them, and per prompt token when
 echo scores the prompt.
 
-    python -m bench.logprobs [--limit 8] [--max-new-tokens 64] [--top 1,20] [--json FILE]
+    python -m bench.logprobs [--limit 8] [--max-new-tokens 64] [--top 1,20] [--json FILE] [--draft D --target T]
 
 Three figures, on the default pair (or --draft/--target) as load_pair gives it:
 - **In the loop.** Each prompt of bench/prompts.jsonl decoded greedily (model drafting, gamma 4) without logprobs
@@ -105,6 +105,7 @@ def main(argv=None) -> None:
     parser.add_argument("--top", default="1,20", help="logprobs values (alternatives per token) to measure")
     parser.add_argument("--draft", default=None)
     parser.add_argument("--target", default=None)
+    parser.add_argument("--repeats", type=int, default=200, help="timings of the work alone (the median is kept)")
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     tops = [int(k) for k in args.top.split(",")]
@@ -114,7 +115,7 @@ def main(argv=None) -> None:
     prompts = [encode(tokenizer, item) for item in load_prompts(DEFAULT_PROMPTS, args.limit)]
     decoder.generate(prompts[0], params=SamplingParams(max_new_tokens=2, temperature=0))  # warm-up
 
-    figures = {"work_alone": work_alone(decoder.vocab_size, args.gamma, tops),
+    figures = {"work_alone": work_alone(decoder.vocab_size, args.gamma, tops, args.repeats),
                "echo": echo(target, prompts, decoder.vocab_size),
                "in_the_loop": in_the_loop(decoder, prompts, tops, args.max_new_tokens, args.gamma),
                "prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "gamma": args.gamma,

@@ -499,7 +499,8 @@ class SpeculativeDecoder:
         (a prefill over the prompt, then forwards after cached tokens, which our CPU kernels make bitwise the
         same as one token at a time), so greedy output is target-only's token for token, near ties included.
         Folded into the prefill, the first proposals would go through the prefill's matrix products instead
-        (a rounding step of bfloat16 away). It costs one forward more per request.
+        (a rounding step of bfloat16 away). It costs one forward more per request. With prompt_logprobs the
+        prefill keeps every prompt row (`_Request.prefill`).
         """
         if target.length:
             return req.forward("target", target, req.ids[target.length:] + extra, keep=len(extra) + 1)

@@ -33,24 +33,31 @@ from .prompts import DEFAULT_PROMPTS, encode, load_prompts
 
 
 def in_the_loop(decoder, prompts: list[list[int]], tops: list[int], max_new_tokens: int, gamma: int) -> dict:
-    """Pooled ms per generated token without logprobs and with each k, the runs of a prompt back to back."""
+    """Pooled ms per generated token without logprobs and with each k, the runs of a prompt back to back in an
+    order that turns from prompt to prompt (so drift within a prompt's runs lands on each variant alike); wall
+    time and the process's CPU time (less moved by other processes' load)."""
     variants = [None, *tops]
-    seconds = {k: 0.0 for k in variants}
+    wall = {k: 0.0 for k in variants}
+    cpu = {k: 0.0 for k in variants}
     tokens = {k: 0 for k in variants}
-    for ids in prompts:
+    for i, ids in enumerate(prompts):
         outputs = {}
-        for k in variants:
+        for k in variants[i % len(variants):] + variants[:i % len(variants)]:
             params = SamplingParams(max_new_tokens=max_new_tokens, gamma=gamma, temperature=0, logprobs=k)
+            started = time.process_time()
             result = decoder.generate(ids, params=params)
-            seconds[k] += result.stats.total_seconds
+            cpu[k] += time.process_time() - started
+            wall[k] += result.stats.total_seconds
             tokens[k] += result.stats.new_tokens
             outputs[k] = result.token_ids
         assert all(out == outputs[None] for out in outputs.values()), "greedy runs gave different tokens"
-    base = 1e3 * seconds[None] / tokens[None]
-    rows = {"none": {"ms_per_token": base, "tokens": tokens[None]}}
+    base, base_cpu = 1e3 * wall[None] / tokens[None], 1e3 * cpu[None] / tokens[None]
+    rows = {"none": {"ms_per_token": base, "cpu_ms_per_token": base_cpu, "tokens": tokens[None]}}
     for k in tops:
-        ms = 1e3 * seconds[k] / tokens[k]
-        rows[str(k)] = {"ms_per_token": ms, "extra_ms_per_token": ms - base, "ratio": ms / base, "tokens": tokens[k]}
+        ms, cpu_ms = 1e3 * wall[k] / tokens[k], 1e3 * cpu[k] / tokens[k]
+        rows[str(k)] = {"ms_per_token": ms, "extra_ms_per_token": ms - base, "ratio": ms / base,
+                        "cpu_ms_per_token": cpu_ms, "extra_cpu_ms_per_token": cpu_ms - base_cpu,
+                        "cpu_ratio": cpu_ms / base_cpu, "tokens": tokens[k]}
     return rows
 
 

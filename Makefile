@@ -9,7 +9,7 @@ LINT_VENV := .venv-lint
 LINT_INSTALLED := $(LINT_VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv models serve test unit bench stress lint lint-docker lint-deploy clean
+.PHONY: venv models serve test unit bench stress eval lint lint-docker lint-deploy clean
 
 $(INSTALLED): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,16 @@ bench: models
 
 stress: venv
 	$(BIN)/python -m bench.stress
+
+# lm-evaluation-harness's local-completions on the project's own task (eval/tasks/specdec_local) against a running
+# server (`make serve`: the default pair); EVAL_URL, EVAL_MODEL and EVAL_TOKENIZER point it elsewhere
+EVAL_URL ?= http://127.0.0.1:5000
+EVAL_MODEL ?= qwen2.5-coder-1.5b-instruct
+EVAL_TOKENIZER ?= $(or $(SPECDEC_CACHE),$(HOME)/.cache/specdec)/$(EVAL_MODEL)
+eval: venv
+	HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 $(BIN)/python -m lm_eval --model local-completions \
+	  --model_args model=$(EVAL_MODEL),base_url=$(EVAL_URL)/v1/completions,tokenizer=$(EVAL_TOKENIZER),tokenizer_backend=huggingface,tokenized_requests=True \
+	  --batch_size 4 --tasks specdec_local --include_path eval/tasks --output_path eval/results --log_samples
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) .pytest_cache

@@ -30,7 +30,7 @@ from .params import (
     VERIFICATIONS,
     SamplingParams,
 )
-from .sampling import logits_to_probs, sample
+from .sampling import TokenLogprobs, logits_to_probs, sample, token_logprobs
 from .stats import GenerationStats
 from .verification import accept_mask
 
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ADAPTIVE_MAX_GAMMA", "DRAFTERS", "MAX_GAMMA", "METHODS", "MIN_TEMPERATURE", "SPECULATIVE_METHODS",
            "VERIFICATIONS", "Chunk", "GenerationResult", "GenerationStats", "LookupSettings", "SamplingParams",
-           "SpeculativeDecoder", "Stream", "check_vocabularies", "eos_token_ids"]
+           "SpeculativeDecoder", "Stream", "TokenLogprobs", "check_vocabularies", "eos_token_ids"]
 
 
 @dataclass
@@ -47,6 +47,10 @@ class Chunk:
 
     token_ids: list[int]
     sources: list[str]
+    # with params.logprobs: each token's log-probability and alternatives, from the target row it was verified on
+    logprobs: list[TokenLogprobs] | None = None
+    # with params.prompt_logprobs, on the first chunk only: the prompt's tokens' (None for the first token)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -57,6 +61,8 @@ class GenerationResult:
     sources: list[str]
     finish_reason: str  # "length" | "stop"
     stats: GenerationStats | None = None
+    logprobs: list[TokenLogprobs] | None = None  # with params.logprobs, one per token of token_ids
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with params.prompt_logprobs, one per prompt token
 
 
 def check_vocabularies(draft_model, target_model, tokenizer=None) -> int:
@@ -113,7 +119,8 @@ def position_generator(seed: int, position: int) -> torch.Generator:
 class _Request:
     """All mutable state of one generate call: sequence, caches, RNG, counters and timers."""
 
-    def __init__(self, prompt: list[int], params: SamplingParams, limit: int | None, seed: int, eos: set[int]):
+    def __init__(self, prompt: list[int], params: SamplingParams, limit: int | None, seed: int, eos: set[int],
+                 vocab_size: int | None = None):
         self.ids = list(prompt)
         self.prompt_len = len(prompt)
         self.params = params
@@ -123,6 +130,9 @@ class _Request:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.eos = eos
         self.sources: list[str] = []
+        self.vocab_size = vocab_size  # logprobs are over the shared vocabulary, as tokens are drawn from it
+        self.logprobs: list[TokenLogprobs] | None = None if params.logprobs is None else []
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
         self.finish_reason: str | None = None
         self.proposed = 0
         self.accepted = 0
@@ -182,8 +192,21 @@ class _Request:
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
-    def commit(self, tokens: list[int], sources: list[str]) -> Chunk:
-        """Append tokens, cut at the first EOS or at the budget, and set finish_reason when done."""
+    def prefill(self, role: str, model: CachedModel) -> torch.Tensor:
+        """The forward over the prompt: the logits of its last position, (1, V). With prompt_logprobs, the
+        forward keeps every position's row and the prompt's log-probabilities are taken from them."""
+        if self.params.prompt_logprobs is None:
+            return self.forward(role, model, self.ids, keep=1)
+        rows = self.forward(role, model, self.ids, keep=self.prompt_len)  # (n, V): row i predicts token i + 1
+        self.prompt_logprobs = [None] + token_logprobs(rows[:-1, : self.vocab_size], self.ids[1:],
+                                                       self.params.prompt_logprobs)
+        return rows[-1:]
+
+    def commit(self, tokens: list[int], sources: list[str], logits: torch.Tensor | None = None) -> Chunk:
+        """Append tokens, cut at the first EOS or at the budget, and set finish_reason when done. `logits`:
+        (>= len(tokens), V), row i the target's logits that token i was verified (or drawn) on; read only when
+        the request asks for logprobs."""
+        first = self.first_chunk is None
         tokens = tokens[: self.budget()]
         for i, token in enumerate(tokens):
             if token in self.eos:
@@ -191,13 +214,17 @@ class _Request:
                 self.finish_reason = "stop"
                 break
         sources = sources[: len(tokens)]
-        if self.first_chunk is None:
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = token_logprobs(logits[:, : self.vocab_size], tokens, self.params.logprobs) if tokens else []
+            self.logprobs.extend(logprobs)
+        if first:
             self.first_chunk = (time.perf_counter() - self.started, len(tokens))
         self.ids.extend(tokens)
         self.sources.extend(sources)
         if self.finish_reason is None and self.budget() <= 0:
             self.finish_reason = "length"
-        return Chunk(tokens, sources)
+        return Chunk(tokens, sources, logprobs, self.prompt_logprobs if first else None)
 
     def stats(self, finished: bool = True) -> GenerationStats:
         total = time.perf_counter() - self.started
@@ -232,7 +259,7 @@ class _Request:
 
     def result(self) -> GenerationResult:
         return GenerationResult(self.ids[self.prompt_len:], list(self.sources), self.finish_reason or "length",
-                                self.stats())
+                                self.stats(), self.logprobs, self.prompt_logprobs)
 
 
 class Stream(Generator):
@@ -320,14 +347,17 @@ class SpeculativeDecoder:
                 f"the prompt has {len(prompt)} tokens and leaves no room in the model context of "
                 f"{self.context_length} tokens", field="input_ids")
 
-        req = _Request(prompt, params, self.context_length, seed, eos_token_ids(self.target_model,
-                                                                                 eos_token_id=eos_token_id))
+        req = _Request(prompt, params, self.context_length, seed,
+                       eos_token_ids(self.target_model, eos_token_id=eos_token_id), self.vocab_size)
         warper = _Warper(params.temperature, params.top_k, params.top_p, self.vocab_size)
         return Stream(req, self._run(req, warper))
 
     def _run(self, req: "_Request", probs: "_Warper"):
         params = req.params
-        if params.speculative and params.gamma is None and params.temperature > 0:
+        if params.max_new_tokens == 0:  # the prompt scored alone (prompt_logprobs): its prefill, nothing drawn
+            req.prefill("target", CachedModel(self.target_model))
+            yield req.commit([], [])
+        elif params.speculative and params.gamma is None and params.temperature > 0:
             yield from self._speculate_adaptive(req, probs)
         elif params.speculative:
             yield from self._speculate(req, probs)
@@ -353,10 +383,10 @@ class SpeculativeDecoder:
         role = "target" if req.params.method == "target" else "draft"
         model = req.cache_for(self.target_model if role == "target" else self.draft_model)
         while req.finish_reason is None:
-            logits = req.forward(role, model, req.ids[model.length:])
+            logits = req.forward(role, model, req.ids[model.length:]) if model.length else req.prefill(role, model)
             token = sample(probs(logits[-1]), req.generator)
             req.rounds += 1
-            if (yield req.commit([token], ["target"])) == "stop":
+            if (yield req.commit([token], ["target"], logits[-1:])) == "stop":
                 req.finish_reason = "stop"
 
     def _drafter(self, req: _Request, probs: "_Warper"):
@@ -395,12 +425,13 @@ class SpeculativeDecoder:
             k = len(proposal)
 
             # 2. the target scores all k + 1 positions in one forward: p_1 .. p_{k+1}
-            p = probs(self._score(req, target, proposal.tokens))
+            logits = self._score(req, target, proposal.tokens)
+            p = probs(logits)
 
             # 3. keep a prefix of the proposals, then draw the next token (resampled, or the bonus after all k)
             accepted, next_probs = self._verify(req, proposal, p, lambda i: generator)
             chunk = req.commit(proposal.tokens[:accepted] + [sample(next_probs, generator)],
-                               self._sources(proposal, accepted, k))
+                               self._sources(proposal, accepted, k), logits)
             if adaptive is not None and k and set(proposal.drafters) == {"model"}:
                 adaptive.update(k, accepted)  # alpha is the draft model's, as in `_speculate_adaptive`
             if (yield self._end_round(req, drafter, target, chunk, proposal, accepted, k + 1, before)) == "stop":
@@ -444,17 +475,19 @@ class SpeculativeDecoder:
             proposal = drafter.propose(req.ids, adaptive.choose() + 1, budget, generator_at)
             k = len(proposal)
             if k:
-                p = probs(self._score(req, target, proposal.tokens[:-1]))
+                logits = self._score(req, target, proposal.tokens[:-1])
+                p = probs(logits)
                 # no bonus row (all k accepted ends the round): a zero row stands in for it, never drawn from
                 accepted, next_probs = self._verify(req, proposal, torch.cat((p, p.new_zeros(1, p.size(-1)))),
                                                     generator_at)
             else:  # nothing proposed: the target draws this position's token alone
-                p = probs(self._score(req, target, []))
+                logits = self._score(req, target, [])
+                p = probs(logits)
                 accepted, next_probs = 0, p[0]
             tokens = proposal.tokens[:accepted]
             if accepted < k or not k:
                 tokens.append(sample(next_probs, generator_at(accepted)))
-            chunk = req.commit(tokens, self._sources(proposal, accepted, k)[: len(tokens)])
+            chunk = req.commit(tokens, self._sources(proposal, accepted, k)[: len(tokens)], logits)
             if k and set(proposal.drafters) == {"model"}:
                 # alpha is the draft model's: rounds the lookup served say nothing about it
                 adaptive.update(k - 1, min(accepted, k - 1))
@@ -471,12 +504,13 @@ class SpeculativeDecoder:
         (a prefill over the prompt, then forwards after cached tokens, which our CPU kernels make bitwise the
         same as one token at a time), so greedy output is target-only's token for token, near ties included.
         Folded into the prefill, the first proposals would go through the prefill's matrix products instead
-        (a rounding step of bfloat16 away). It costs one forward more per request.
+        (a rounding step of bfloat16 away). It costs one forward more per request. With prompt_logprobs the
+        prefill keeps every prompt row (`_Request.prefill`).
         """
-        if target.length or not extra:
+        if target.length:
             return req.forward("target", target, req.ids[target.length:] + extra, keep=len(extra) + 1)
-        first = req.forward("target", target, req.ids, keep=1)
-        return torch.cat((first, req.forward("target", target, extra, keep=len(extra))))
+        first = req.prefill("target", target)
+        return torch.cat((first, req.forward("target", target, extra, keep=len(extra)))) if extra else first
 
     @staticmethod
     def _sources(proposal: Proposal, accepted: int, k: int) -> list[str]:

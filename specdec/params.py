@@ -17,6 +17,7 @@ VERIFICATIONS = ("token", "block")  # the rule that judges a proposal: token by 
 MAX_GAMMA = 64  # a hard bound on proposals per round; adaptive gamma stays far below it
 ADAPTIVE_MAX_GAMMA = 8
 MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32; 0 means greedy
+MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # seeds are taken modulo 2**64
 
 
@@ -29,6 +30,11 @@ class SamplingParams:
     `draft_confidence_threshold` matter to the speculative methods only: who proposes (drafters.py), which rule
     verifies (verification.py), and the draft model's probability of its own token below which it ends its run
     before gamma (0: never; gamma stays the most it proposes).
+
+    `logprobs` (None: off) reports each generated token's log-probability under the target's raw distribution
+    (log-softmax of its logits, before temperature, top-k and top-p) with that many most likely alternatives;
+    `prompt_logprobs` the same for the prompt's tokens, from the prefill. With `prompt_logprobs`, max_new_tokens
+    may be 0: the prompt is scored alone.
     """
 
     max_new_tokens: int = 64
@@ -41,13 +47,18 @@ class SamplingParams:
     drafter: str = "model"
     verification: str = "token"
     draft_confidence_threshold: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         for name, allowed in (("method", METHODS), ("drafter", DRAFTERS), ("verification", VERIFICATIONS)):
             if getattr(self, name) not in allowed:
                 raise SpecDecError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}",
                                    field=name)
-        _integer(self.max_new_tokens, "max_new_tokens", 1)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _integer(getattr(self, name), name, 0, MAX_LOGPROBS)
+        _integer(self.max_new_tokens, "max_new_tokens", 0 if self.prompt_logprobs is not None else 1)
         if self.gamma is not None:
             _integer(self.gamma, "gamma", 1, MAX_GAMMA)
         temperature = _finite(self.temperature, "temperature")

@@ -1,9 +1,12 @@
-"""Pure sampling math: logits to the probability distribution actually sampled from, and one draw from it.
+"""Pure sampling math: logits to the probability distribution actually sampled from, and one draw from it; and
+the log-probabilities a request may ask for (`token_logprobs`).
 
 The warpers follow transformers' TemperatureLogitsWarper -> TopKLogitsWarper -> TopPLogitsWarper, in that
 order, so draft and target are shaped exactly as `generate` would shape them. temperature == 0 is greedy and
 is expressed as a one-hot distribution, which lets the rejection rule treat greedy like any other case.
 """
+
+from dataclasses import dataclass
 
 import torch
 
@@ -73,3 +76,28 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     point = (u * cdf[-1]).to(cdf.device)
     index = torch.searchsorted(cdf, point.reshape(1), right=True)
     return int(index.clamp_(max=probs.size(-1) - 1).item())
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A token's log-probability under the model's raw distribution (log-softmax of its logits: no temperature,
+    top-k or top-p), with the `top` most likely tokens and theirs, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int = 0) -> list[TokenLogprobs]:
+    """(n, V) logits, row i the distribution tokens[i] came from -> each token's TokenLogprobs with `top`
+    alternatives. One log-softmax over the n rows: what a request that asks for logprobs pays per token."""
+    if not tokens:
+        return []
+    logprobs = logits[: len(tokens)].float().log_softmax(dim=-1)  # (n, V)
+    index = torch.tensor(tokens, device=logprobs.device).unsqueeze(-1)
+    chosen = logprobs.gather(-1, index).squeeze(-1).tolist()
+    if not top:
+        return [TokenLogprobs(token, logprob) for token, logprob in zip(tokens, chosen)]
+    values, indices = logprobs.topk(min(top, logprobs.size(-1)), dim=-1)
+    return [TokenLogprobs(token, logprob, tuple(zip(ids, row)))
+            for token, logprob, ids, row in zip(tokens, chosen, indices.tolist(), values.tolist())]

@@ -1,5 +1,6 @@
 """Text in and out of the engine: prompts (or chat messages) to token ids, and committed token ids to text,
-incrementally (UTF-8-safe detokenization, stop strings, per-token text).
+incrementally (UTF-8-safe detokenization, stop strings, per-token text, and which tokens' text has been sent, so
+that a token's log-probability goes out with its text).
 
 The engine knows nothing about text; the CLI and the service encode through `encode_prompt`/`encode_messages`
 and feed each committed chunk to a Detokenizer or a Completion.
@@ -74,9 +75,39 @@ class Detokenizer:
         return after[len(before):]
 
 
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes a token stands for: for a byte-level BPE (GPT-2, Qwen, Llama 3) its own bytes, also where it
+    holds part of a multi-byte character; else the UTF-8 of its text."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if type(decoder).__name__ == "ByteLevel":
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if token is not None and all(c in _BYTE_OF for c in token):
+            return bytes(_BYTE_OF[c] for c in token)
+    return tokenizer.decode([token_id], skip_special_tokens=False,
+                            clean_up_tokenization_spaces=False).encode("utf-8", errors="replace")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: the printable character byte-level BPE writes for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF = _byte_level_alphabet()
+
+
 class Completion:
     """The completion so far: kept tokens with their text and source, the text cut at the first stop string,
-    and how much of the text may be sent without ever having to take it back."""
+    and how much of the text may be sent without ever having to take it back. `logprobs` and `offsets` run
+    beside `tokens`: each token's log-probabilities (None when not asked for) and where its text starts."""
 
     def __init__(self, decode: Callable[[list[int]], str], prompt_ids: list[int], stop: Iterable[str] = ()):
         self._detokenizer = Detokenizer(decode, prompt_ids)
@@ -84,16 +115,22 @@ class Completion:
         self._longest_stop = max((len(s) for s in self._stop), default=0)
         self.text = ""
         self.tokens: list[dict] = []  # {"id", "text", "source"}, up to the token that completed a stop string
+        self.logprobs: list = []  # the engine's TokenLogprobs of each token, or None
+        self.offsets: list[int] = []  # where each token's text starts in `text` (before a stop string's cut)
+        self._tokens_sent = 0
         self.stopped = False  # a stop string was found
         self.finished = False
         self._sent = 0
 
-    def feed(self, token_ids: list[int], sources: list[str]) -> list[dict]:
-        """Add one committed chunk; returns the tokens kept from it (those after a stop string are dropped)."""
+    def feed(self, token_ids: list[int], sources: list[str], logprobs: list | None = None) -> list[dict]:
+        """Add one committed chunk (with its tokens' log-probabilities, if any); returns the tokens kept from it
+        (those after a stop string are dropped)."""
         kept = []
-        for token_id, source in zip(token_ids, sources):
+        for i, (token_id, source) in enumerate(zip(token_ids, sources)):
             if self.stopped:
                 break
+            self.logprobs.append(logprobs[i] if logprobs is not None else None)
+            self.offsets.append(len(self.text))
             self._append(token_id, source, self._detokenizer.add(token_id), kept)
         return kept
 
@@ -114,6 +151,26 @@ class Completion:
         piece = self.text[self._sent:end] if end > self._sent else ""
         self._sent = max(self._sent, end)
         return piece
+
+    def answered(self) -> int:
+        """How many tokens the answer's text shows: all of them, except where a stop string cut the text, the
+        tokens whose text lies wholly after the cut."""
+        if not self.stopped:
+            return len(self.tokens)
+        return sum(1 for offset in self.offsets if offset < len(self.text))
+
+    def take_tokens(self) -> range:
+        """The tokens whose text `take` has now sent in full (at the end, every token the answer shows): each
+        goes out once, with the text it belongs to."""
+        if self.stopped or self.finished:
+            end = self.answered()
+        else:
+            end = self._tokens_sent
+            while end < len(self.tokens) and self.offsets[end] + len(self.tokens[end]["text"]) <= self._sent:
+                end += 1
+        taken = range(self._tokens_sent, max(end, self._tokens_sent))
+        self._tokens_sent = taken.stop
+        return taken
 
     def _append(self, token_id: int, source: str, piece: str, kept: list[dict]) -> None:
         token = {"id": token_id, "text": piece, "source": source}

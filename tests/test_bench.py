@@ -464,6 +464,19 @@ def test_interference_script_smoke_on_tiny_pair(tiny_pair_dirs, tmp_path):
     assert all(ms > 0 for ms in report["ms"].values()) and "draft_after_target" in done.stdout
 
 
+def test_logprobs_benchmark_smoke_on_tiny_pair(tiny_pair_dirs, tmp_path):
+    draft, target = tiny_pair_dirs
+    out = tmp_path / "logprobs.json"
+    done = subprocess.run([sys.executable, "-m", "bench.logprobs", "--draft", draft, "--target", target,
+                           "--limit", "2", "--max-new-tokens", "6", "--top", "0,5", "--repeats", "3",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert set(report["in_the_loop"]) == {"none", "0", "5"} and set(report["work_alone"]) == {"0", "5"}
+    assert report["in_the_loop"]["5"]["tokens"] == report["in_the_loop"]["none"]["tokens"] > 0
+    assert report["echo"]["extra_ms_per_prompt_token"] is not None and report["prompts"] == 2
+
+
 def test_summary_counts_greedy_runs_with_target_only_tokens():
     def run(method, prompt, digest, mode="greedy"):
         return {"mode": mode, "method": method, "sweep_gamma": None, "prompt": prompt, "repeat": 0,

@@ -11,9 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from specdec import SpeculativeDecoder, load_pair
+from specdec import SamplingParams, SpeculativeDecoder, load_pair
 from specdec.models.default_pair import DRAFT, MARKER, TARGET, default_pair_paths, is_ready
+from specdec.models.kernels import use_cpu_kernels, use_stock_kernels
 from specdec.params import DRAFTERS, VERIFICATIONS
 
 pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("real_models")]
@@ -110,3 +112,31 @@ def test_greedy_equals_target_greedy_for_every_drafter_and_rule(real_pair):
         assert result.token_ids == target.token_ids, (
             f"{drafter}/{verification} with the confidence stop diverged from target greedy:\n"
             f"{tokenizer.decode(result.token_ids)!r}\nvs\n{tokenizer.decode(target.token_ids)!r}")
+
+
+def test_logprobs_are_target_only_decodings_and_a_stock_forwards(real_pair):
+    """Greedy: bitwise target-only's (our kernels make every target row bitwise equal), for the model and lookup
+    drafters under both rules; sampled: each token's logprob equals a forward of the target with the library's
+    own layers over prompt plus output within 1e-4, the prompt's (echo) included."""
+    _, _, decoder, tokenizer = real_pair
+    prompt = encode(tokenizer, *GROUNDED)
+    target = decoder.generate(prompt, params=SamplingParams(max_new_tokens=16, method="target", temperature=0,
+                                                            logprobs=5, prompt_logprobs=1))
+    for drafter, verification in (("model", "token"), ("lookup", "block")):
+        result = decoder.generate(prompt, params=SamplingParams(max_new_tokens=16, temperature=0, logprobs=5,
+                                                                prompt_logprobs=1, drafter=drafter,
+                                                                verification=verification))
+        assert result.token_ids == target.token_ids
+        assert result.logprobs == target.logprobs and result.prompt_logprobs == target.prompt_logprobs
+    sampled = decoder.generate(prompt, params=SamplingParams(max_new_tokens=16, temperature=0.7, top_p=0.9, seed=0,
+                                                             logprobs=1, prompt_logprobs=1, drafter="hybrid"))
+    ids = torch.tensor([prompt + sampled.token_ids])
+    use_stock_kernels(decoder.target_model)
+    try:
+        with torch.inference_mode():
+            rows = decoder.target_model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+    finally:
+        use_cpu_kernels(decoder.target_model)
+    plain = rows.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1).tolist()
+    ours = [t.logprob for t in sampled.prompt_logprobs[1:] + sampled.logprobs]
+    assert ours == pytest.approx(plain, abs=1e-4)

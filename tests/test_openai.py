@@ -7,6 +7,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 from specdec.serve.errors import ApiError
 from specdec.serve.openai_protocol import (
@@ -17,7 +18,7 @@ from specdec.serve.openai_protocol import (
     CompletionRequest,
     ModelList,
 )
-from tests.support.models import make_app
+from tests.support.models import SPECIALS, make_app
 from tests.support.spies import fail_after_first_chunk
 
 pytestmark = [pytest.mark.usefixtures("clean_env"), pytest.mark.xdist_group("openai")]
@@ -226,14 +227,188 @@ def test_closing_a_stream_stops_generation(client, service, caplog):
                in r.getMessage() for r in caplog.records)
 
 
+# --- logprobs, echo, several prompts ---------------------------------------------------------------------------
+
+def plain_logprobs(pair, ids: list[int]) -> list[float]:
+    """The target's log-probability of each token after the first, by one transformers forward without a cache."""
+    target = pair[1]
+    with torch.no_grad():
+        rows = target(input_ids=torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    return rows.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def shown(tokens: list[str]) -> str:
+    """The text tokens show: special tokens (the tiny tokenizer's <unk>, <eos>, ...) have none."""
+    return "".join(token for token in tokens if token not in SPECIALS)
+
+
+def ids_of(service, tokens: list[str]) -> list[int]:
+    return [service.tokenizer.convert_tokens_to_ids(token) for token in tokens]  # one character, one token
+
+
+def check_shape(logprobs: dict, k: int) -> None:
+    n = len(logprobs["tokens"])
+    assert len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == len(logprobs["text_offset"]) == n
+    for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        if logprob is not None:  # the top k, and the chosen token
+            assert top[token] == logprob and k <= len(top) <= k + 1 and max(top.values()) >= logprob
+
+
+@pytest.mark.parametrize("drafter, verification", [("model", "token"), ("lookup", "block"), ("hybrid", "token")])
+def test_completion_logprobs_are_the_targets_on_the_tokens_returned(client, service, pair, drafter, verification):
+    """Sampled, echoed: every token's logprob (the prompt's from the prefill, the completion's from the
+    verification rows) equals a plain forward of the target over prompt plus completion within 1e-4."""
+    prompt = service.encode("one two three one two three")
+    body = complete(client, prompt=prompt, echo=True, logprobs=3, max_tokens=24, temperature=0.8, seed=4,
+                    drafter=drafter, verification=verification).get_json()
+    Completion.model_validate(body)
+    (choice,) = body["choices"]
+    logprobs = choice["logprobs"]
+    check_shape(logprobs, 3)
+    assert shown(logprobs["tokens"]) == choice["text"]
+    assert logprobs["text_offset"] == [len(shown(logprobs["tokens"][:i])) for i in range(len(logprobs["tokens"]))]
+    ids = ids_of(service, logprobs["tokens"])
+    assert ids[:len(prompt)] == prompt and len(ids) == len(prompt) + body["usage"]["completion_tokens"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:] == pytest.approx(plain_logprobs(pair, ids), abs=1e-4)
+
+
+def test_greedy_logprobs_are_target_only_decodings(client):
+    """(Bitwise where the logits are: tests/test_logprobs.py, with our CPU kernels; this app's tiny pair runs
+    transformers' own.)"""
+    target_only = complete(client, temperature=0, max_tokens=30, logprobs=2, method="target").get_json()
+    expected = target_only["choices"][0]["logprobs"]
+    for gamma in (4, None):
+        logprobs = complete(client, temperature=0, max_tokens=30, logprobs=2, gamma=gamma).get_json()[
+            "choices"][0]["logprobs"]
+        assert logprobs["tokens"] == expected["tokens"] and logprobs["text_offset"] == expected["text_offset"]
+        assert logprobs["token_logprobs"] == pytest.approx(expected["token_logprobs"], abs=1e-5)
+        for mine, theirs in zip(logprobs["top_logprobs"], expected["top_logprobs"]):
+            assert mine == pytest.approx(theirs, abs=1e-5)
+
+
+def test_streamed_logprobs_go_with_their_text(client):
+    plain = complete(client, seed=8, max_tokens=40, logprobs=1, echo=True).get_json()["choices"][0]
+    events = chunks(complete(client, seed=8, max_tokens=40, logprobs=1, echo=True, stream=True))
+    sent = 0
+    for event in events:
+        (choice,) = event["choices"]
+        logprobs = choice["logprobs"]
+        check_shape(logprobs, 1)
+        assert logprobs["text_offset"][:1] in ([], [sent])  # each chunk's tokens start where its text does
+        assert shown(logprobs["tokens"]) == choice["text"]
+        sent += len(choice["text"])
+    assert events[0]["choices"][0]["text"].startswith(PROMPT)  # echo: the prompt first
+    joined = {key: [v for e in events for v in e["choices"][0]["logprobs"][key]] for key in plain["logprobs"]}
+    assert joined == plain["logprobs"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_cuts_the_logprobs_with_the_text(client, stream):
+    full = complete(client, temperature=0, max_tokens=60).get_json()["choices"][0]["text"]
+    stop = full[20:23]
+    expected = full[:full.find(stop)]
+    response = complete(client, temperature=0, max_tokens=60, stop=stop, logprobs=0, stream=stream)
+    choices = [e["choices"][0] for e in chunks(response)] if stream else response.get_json()["choices"]
+    tokens = [t for c in choices for t in c["logprobs"]["tokens"]]
+    assert "".join(c["text"] for c in choices) == expected == shown(tokens)
+    assert all(len(top) == 1 for c in choices for top in c["logprobs"]["top_logprobs"])  # logprobs 0: the token
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, service, pair):
+    body = complete(client, echo=True, logprobs=1, max_tokens=0).get_json()
+    (choice,) = body["choices"]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(PROMPT), "completion_tokens": 0, "total_tokens": len(PROMPT)}
+    ids = service.encode(PROMPT)
+    assert ids_of(service, choice["logprobs"]["tokens"]) == ids
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(plain_logprobs(pair, ids), abs=1e-4)
+    assert choice["speculative_decoding_stats"]["num_drafts"] == 0
+    echoed = complete(client, echo=True, max_tokens=0).get_json()["choices"][0]
+    assert echoed["text"] == PROMPT and echoed["logprobs"] is None
+
+
+def test_several_prompts_give_a_choice_each_in_order(client, service):
+    prompts = ["def add(a, b):", "Hello", "one two one two"]
+    singles = [complete(client, prompt=p, temperature=0, max_tokens=12, logprobs=1).get_json() for p in prompts]
+    ids = [service.encode(p) for p in prompts]
+    for prompt in (prompts, ids):  # strings, or lists of token ids
+        body = complete(client, prompt=prompt, temperature=0, max_tokens=12, logprobs=1).get_json()
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        for choice, single in zip(body["choices"], singles):
+            assert choice["text"] == single["choices"][0]["text"]
+            assert choice["logprobs"] == single["choices"][0]["logprobs"]
+        assert body["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in singles)
+        assert body["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
+    one = complete(client, prompt=ids[0], temperature=0, max_tokens=12).get_json()  # a list of token ids
+    assert one["choices"][0]["text"] == singles[0]["choices"][0]["text"] and len(one["choices"]) == 1
+    events = chunks(complete(client, prompt=prompts, temperature=0, max_tokens=12, stream=True))
+    indices = [e["choices"][0]["index"] for e in events]
+    assert indices == sorted(indices) and set(indices) == {0, 1, 2}  # one choice after the other
+    for index, single in enumerate(singles):
+        mine = [e["choices"][0] for e in events if e["choices"][0]["index"] == index]
+        assert "".join(c["text"] for c in mine) == single["choices"][0]["text"]
+        assert mine[-1]["finish_reason"] == single["choices"][0]["finish_reason"]
+    assert not service.scheduler.busy
+
+
+def test_lm_eval_harness_loglikelihood_request(client, service, pair):
+    """What lm-evaluation-harness's local-completions sends for a multiple-choice task: token ids, echo,
+    logprobs 1, max_tokens 1; it reads token_logprobs[context:-1] and whether each is the top one."""
+    contexts = [service.encode("Question: 2 + 2 = "), service.encode("Question: 3 + 3 = ")]
+    requests = [contexts[0] + service.encode("4"), contexts[1] + service.encode("six")]
+    body = complete(client, prompt=requests, echo=True, logprobs=1, max_tokens=1, temperature=0, seed=1234).get_json()
+    for choice, ids in zip(body["choices"], requests):
+        logprobs = choice["logprobs"]
+        assert len(logprobs["token_logprobs"]) == len(ids) + 1
+        assert logprobs["token_logprobs"][1:len(ids)] == pytest.approx(plain_logprobs(pair, ids), abs=1e-4)
+
+
+def test_chat_logprobs(client):
+    body = chat(client, max_tokens=12, seed=3, logprobs=True, top_logprobs=2).get_json()
+    ChatCompletion.model_validate(body)
+    (choice,) = body["choices"]
+    content = choice["logprobs"]["content"]
+    assert shown([t["token"] for t in content]) == choice["message"]["content"]
+    for entry in content:
+        assert entry["bytes"] == list(entry["token"].encode()) and len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["logprob"] >= max(entry["top_logprobs"][1]["logprob"], entry["logprob"])
+    events = chunks(chat(client, max_tokens=12, seed=3, logprobs=True, top_logprobs=2, stream=True))
+    assert events[0]["choices"][0]["logprobs"] is None  # the role
+    assert [t for e in events[1:] for t in e["choices"][0]["logprobs"]["content"]] == content
+    assert chat(client, max_tokens=3, logprobs=True).get_json()["choices"][0]["logprobs"]["content"][0][
+        "top_logprobs"] == []
+    assert chat(client, max_tokens=3).get_json()["choices"][0]["logprobs"] is None
+
+
+def test_predict_logprobs_in_its_answer_and_its_stream(client):
+    body = client.post("/predict", json={"prompt": PROMPT, "max_new_tokens": 16, "seed": 6, "logprobs": 2}).get_json()
+    assert len(body["logprobs"]) == body["usage"]["completion_tokens"]
+    assert all(len(entry["top_logprobs"]) == 2 and set(entry) == {"id", "token", "logprob", "top_logprobs"}
+               for entry in body["logprobs"])
+    response = client.post("/predict", json={"prompt": PROMPT, "max_new_tokens": 16, "seed": 6, "logprobs": 2,
+                                             "stream": True}, buffered=True)
+    events = [json.loads(block.removeprefix("data: "))
+              for block in response.get_data(as_text=True).strip().split("\n\n")]
+    assert [entry for event in events for entry in event["logprobs"]] == body["logprobs"]
+    assert all(shown([e["token"] for e in event["logprobs"]]) == event["text"]
+               for event in events)
+    assert "logprobs" not in client.post("/predict", json={"prompt": PROMPT, "max_new_tokens": 2}).get_json()
+    error = client.post("/predict", json={"prompt": PROMPT, "logprobs": 21}).get_json()["error"]
+    assert error["field"] == "logprobs"
+
+
 # --- refusals and errors ---------------------------------------------------------------------------------------
 
 REFUSED = [  # (route, field values, param, code)
     ("completions", {"n": 2}, "n", "unsupported_value"),
     ("chat", {"n": 3}, "n", "unsupported_value"),
-    ("completions", {"logprobs": 1}, "logprobs", "unsupported_value"),
-    ("chat", {"logprobs": True}, "logprobs", "unsupported_value"),
-    ("chat", {"top_logprobs": 2}, "top_logprobs", "unsupported_value"),
+    ("completions", {"logprobs": 21}, "logprobs", "invalid_value"),
+    ("completions", {"logprobs": -1}, "logprobs", "invalid_value"),
+    ("completions", {"logprobs": True}, "logprobs", "invalid_value"),
+    ("chat", {"logprobs": 1}, "logprobs", "invalid_value"),
+    ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs", "invalid_value"),  # without logprobs: true
     ("completions", {"presence_penalty": 0.5}, "presence_penalty", "unsupported_value"),
     ("chat", {"frequency_penalty": -1}, "frequency_penalty", "unsupported_value"),
     ("chat", {"logit_bias": {"5": 10}}, "logit_bias", "unsupported_value"),
@@ -241,7 +416,7 @@ REFUSED = [  # (route, field values, param, code)
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_value"),
     ("chat", {"tool_choice": "auto"}, "tool_choice", "unsupported_value"),
     ("chat", {"functions": [{"name": "f"}]}, "functions", "unsupported_value"),
-    ("completions", {"echo": True}, "echo", "unsupported_value"),
+    ("completions", {"echo": 1}, "echo", "invalid_value"),
     ("completions", {"best_of": 2}, "best_of", "unsupported_value"),
     ("completions", {"suffix": "}"}, "suffix", "unsupported_value"),
     ("completions", {"n": True}, "n", "unsupported_value"),
@@ -255,7 +430,8 @@ REFUSED = [  # (route, field values, param, code)
     ("completions", {"temperature": 2.5}, "temperature", "invalid_value"),
     ("completions", {"temperature": 1e-9}, "temperature", "invalid_value"),
     ("chat", {"top_p": 0}, "top_p", "invalid_value"),
-    ("completions", {"max_tokens": 0}, "max_tokens", "invalid_value"),
+    ("completions", {"max_tokens": 0}, "max_tokens", "invalid_value"),  # only with echo
+    ("chat", {"max_tokens": 0}, "max_tokens", "invalid_value"),
     ("completions", {"max_tokens": 1025}, "max_tokens", "invalid_value"),
     ("chat", {"max_completion_tokens": 1025}, "max_completion_tokens", "invalid_value"),
     ("chat", {"max_tokens": "5"}, "max_tokens", "invalid_value"),
@@ -268,8 +444,15 @@ REFUSED = [  # (route, field values, param, code)
     ("completions", {"seed": 2**64}, "seed", "invalid_value"),
     ("completions", {"stop": [f"s{i}" for i in range(17)]}, "stop", "invalid_value"),
     ("completions", {"stop": [""]}, "stop", "invalid_value"),
-    ("completions", {"prompt": [1, 2, 3]}, "prompt", "invalid_value"),
-    ("completions", {"prompt": ["one", "two"]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": [1, 100]}, "prompt", "invalid_value"),  # the tiny vocabulary is 0..99
+    ("completions", {"prompt": [[1, 2], [3, 10**6]]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": [1, -2]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": [1, True]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": ["one", 2]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": [[1], []]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": ["one", ""]}, "prompt", "invalid_value"),
+    ("completions", {"prompt": []}, "prompt", "invalid_value"),
+    ("completions", {"prompt": ["p"] * 17}, "prompt", "invalid_value"),  # max_prompts_per_request is 16
     ("completions", {"prompt": ""}, "prompt", "invalid_value"),
     ("chat", {"messages": []}, "messages", "invalid_value"),
     ("chat", {"messages": [{"role": "tool", "content": "42"}]}, "messages[0].role", "invalid_value"),
@@ -296,6 +479,7 @@ def test_no_op_values_of_unsupported_fields_are_accepted(client):
     noop = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "user": "u-1",
             "stop": None, "seed": None}
     assert complete(client, max_tokens=3, echo=False, best_of=1, logprobs=None, suffix="", **noop).status_code == 200
+    assert chat(client, max_tokens=3, logprobs=True, top_logprobs=0).status_code == 200
     response = chat(client, max_tokens=3, logprobs=False, top_logprobs=0, response_format={"type": "text"}, tools=[],
                     tool_choice="none", parallel_tool_calls=True, functions=[], function_call="none", **noop)
     assert response.status_code == 200, response.get_json()
@@ -437,12 +621,14 @@ def test_schemathesis_against_the_v1_routes(pair, path, mode):
     def fits(body: dict) -> bool:  # the document cannot say how many tokens a text makes
         try:
             if "messages" in body:
-                ids = service.encode(messages=ChatCompletionRequest.model_validate(body).chat_messages())
-            else:
-                ids = service.encode(CompletionRequest.model_validate(body).prompt_text)
+                prompts = [service.encode(messages=ChatCompletionRequest.model_validate(body).chat_messages())]
+            else:  # token ids: in the vocabulary (the document cannot say how large it is)
+                prompts = [service.check_token_ids(prompt) if isinstance(prompt, list) else service.encode(prompt)
+                           for prompt in CompletionRequest.model_validate(body).prompts]
         except ApiError:  # over the context by itself
             return False
-        return len(ids) + (body.get("max_tokens") or body.get("max_completion_tokens") or 1) <= 256
+        room = body.get("max_tokens") if body.get("max_tokens") is not None else body.get("max_completion_tokens")
+        return all(len(ids) + (1 if room is None else room) <= 256 for ids in prompts)
 
     statuses = []
 

@@ -14,6 +14,7 @@ import time
 import openai
 import pytest
 import requests
+import torch
 
 from bench.stress import DELAY_ENV, Server
 from specdec import SpeculativeDecoder
@@ -148,18 +149,83 @@ def test_a_stop_string_split_across_chunks_never_leaks(client):
     assert answer.choices[0].text == expected and answer.choices[0].finish_reason == "stop"
 
 
+# --- logprobs, echo, token ids, several prompts ------------------------------------------------------------------
+
+def plain_logprobs(target, ids: list[int]) -> list[float]:
+    """The target's log-probability of each token after the first: one transformers forward, no cache."""
+    with torch.no_grad():
+        rows = target(input_ids=torch.tensor([ids])).logits[0, :-1].float().log_softmax(-1)
+    return rows.gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def test_completion_logprobs_streamed_and_not_with_token_ids_and_echo(client, pair):
+    """The server runs our CPU kernels and an int8 draft; its logprobs are still the target's (a plain forward
+    of the transformers-loaded target, within 1e-4), and the stream carries the same ones."""
+    _, target, tokenizer = pair
+    ids = encode_prompt(tokenizer, PROMPT)
+    body = {"model": "target", "prompt": ids, "max_tokens": 20, "temperature": 0.8, "seed": 3, "logprobs": 2,
+            "echo": True}
+    answer = client.completions.create(**body)
+    (choice,) = answer.choices
+    logprobs = choice.logprobs
+    assert choice.text.startswith(PROMPT) and logprobs.token_logprobs[0] is None
+    tokens = tokenizer.convert_tokens_to_ids(logprobs.tokens)
+    assert tokens[:len(ids)] == ids and len(tokens) == len(ids) + answer.usage.completion_tokens
+    assert logprobs.token_logprobs[1:] == pytest.approx(plain_logprobs(target, tokens), abs=1e-4)
+    assert all(len(top) in (2, 3) for top in logprobs.top_logprobs[1:])
+    chunks = list(client.completions.create(**body, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == choice.text
+    assert [t for c in chunks for t in c.choices[0].logprobs.token_logprobs] == logprobs.token_logprobs
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == logprobs.text_offset
+
+
+def test_several_prompts_are_choices_in_order(client, reference):
+    prompts = [PROMPT, "def add(a, b):", "Hello"]
+    expected = [reference(12, prompt=prompt)[0] for prompt in prompts]
+    answer = client.completions.create(model="target", prompt=prompts, max_tokens=12, temperature=0, logprobs=0)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert [c.text for c in answer.choices] == expected
+    assert all(len(c.logprobs.tokens) >= 1 for c in answer.choices)
+    texts = {}
+    for chunk in client.completions.create(model="target", prompt=prompts, max_tokens=12, temperature=0,
+                                           stream=True):
+        (choice,) = chunk.choices
+        texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert [texts[i] for i in range(3)] == expected
+
+
+def test_chat_logprobs_streamed_and_not(client, reference):
+    text = reference(20, messages=MESSAGES)[0]
+    answer = client.chat.completions.create(model="target", messages=MESSAGES, max_tokens=20, temperature=0,
+                                            logprobs=True, top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    assert answer.choices[0].message.content == text
+    assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token for t in content)  # greedy
+    assert all(bytes(t.bytes).decode() == t.token for t in content)
+    chunks = list(client.chat.completions.create(model="target", messages=MESSAGES, max_tokens=20, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [t.token for t in streamed] == [t.token for t in content]
+    assert [t.logprob for t in streamed] == [t.logprob for t in content]
+
+
 # --- errors -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("call, param", [
     (lambda c: c.completions.create(model="target", prompt=PROMPT, n=2), "n"),
-    (lambda c: c.completions.create(model="target", prompt=PROMPT, echo=True), "echo"),
-    (lambda c: c.completions.create(model="target", prompt=PROMPT, logprobs=2), "logprobs"),
+    (lambda c: c.completions.create(model="target", prompt=PROMPT, logprobs=21), "logprobs"),
+    (lambda c: c.completions.create(model="target", prompt=[1, 2, 100]), "prompt"),  # the vocabulary is 0..99
+    (lambda c: c.completions.create(model="target", prompt=[]), "prompt"),
+    (lambda c: c.completions.create(model="target", prompt=["p"] * 17), "prompt"),  # max_prompts_per_request
+    (lambda c: c.completions.create(model="target", prompt=PROMPT, max_tokens=0), "max_tokens"),  # without echo
     (lambda c: c.completions.create(model="target", prompt=PROMPT, temperature=2.5), "temperature"),
     (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, presence_penalty=0.5),
      "presence_penalty"),
     (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, frequency_penalty=1.0),
      "frequency_penalty"),
-    (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, logprobs=True), "logprobs"),
+    (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, logprobs=True, top_logprobs=21),
+     "top_logprobs"),
+    (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, top_logprobs=2), "top_logprobs"),
     (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, response_format={"type": "json_object"}),
      "response_format"),
     (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, tools=[

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from specdec.text import Completion, Detokenizer
+from specdec.text import Completion, Detokenizer, token_bytes
 from tests.support.models import make_tokenizer
 
 
@@ -109,3 +109,39 @@ def test_a_possible_stop_string_start_is_held_back():
     assert completion.take() == "go "
     completion.feed(tokenizer.encode("ay"), ["draft"] * 2)
     assert completion.take() == "STay"
+
+
+# --- which tokens go out with the text (their logprobs travel with them) ------------------------------------------
+
+@pytest.mark.parametrize("text, stop, chunk", [
+    ("Hello world. Bye", ["."], 3), ("Hello world. Bye", ["lo w"], 2), ("a--b--c", ["--"], 1),
+    ("go STay STOP now", ["STOP"], 4), ("Hello world", [], 5)])
+def test_each_token_is_taken_once_with_the_text_it_belongs_to(text, stop, chunk):
+    tokenizer = make_tokenizer()
+    completion = Completion(decoder_of(tokenizer), [], stop)
+    ids = tokenizer.encode(text)
+    sent_text, sent_tokens = "", []
+    for i in range(0, len(ids), chunk):
+        completion.feed(ids[i:i + chunk], ["draft"] * len(ids[i:i + chunk]), [f"lp{j}" for j in range(i, i + chunk)])
+        sent_text += completion.take()
+        taken = completion.take_tokens()
+        # a token goes out only once its whole text has
+        assert all(completion.offsets[j] + len(completion.tokens[j]["text"]) <= len(sent_text) for j in taken)
+        sent_tokens += taken
+        if completion.stopped:
+            break
+    completion.finish()
+    sent_text += completion.take()
+    sent_tokens += completion.take_tokens()
+    assert sent_tokens == list(range(completion.answered()))
+    # the tokens sent show the text sent: the one that a stop string cut inside of, none wholly after the cut
+    shown = "".join(completion.tokens[j]["text"] for j in sent_tokens)
+    assert shown.startswith(sent_text) and len(shown) - len(sent_text) < max(map(len, stop), default=1)
+    assert [completion.logprobs[j] for j in sent_tokens] == [f"lp{j}" for j in sent_tokens]
+
+
+def test_token_bytes_of_a_byte_level_token_are_its_own(byte_tokenizer):
+    ids = byte_tokenizer.encode("é!")
+    assert [token_bytes(byte_tokenizer, i) for i in ids] == [b"\xc3", b"\xa9", b"!"]
+    tokenizer = make_tokenizer()
+    assert token_bytes(tokenizer, tokenizer.convert_tokens_to_ids("x")) == b"x"

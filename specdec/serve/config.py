@@ -57,6 +57,7 @@ class Settings(BaseModel):
     hybrid_extend: bool
     max_new_tokens_limit: int = Field(ge=1)
     max_prompt_tokens: int = Field(ge=1)
+    max_prompts_per_request: int = Field(ge=1, le=1024)  # /v1/completions: prompts in one request, each a choice
     queue_size: int = Field(ge=0)
     queue_timeout: float = Field(gt=0, allow_inf_nan=False)
     request_timeout: float = Field(gt=0, allow_inf_nan=False)

@@ -21,9 +21,11 @@ class Generation:
     """One request's decoding, from the engine stream it was given to its last event."""
 
     def __init__(self, service, stream, slot, record, prompt_ids: list[int], max_new_tokens: int,
-                 stop=(), details: bool = False):
+                 stop=(), details: bool = False, logprobs: bool = False):
         self.service, self.stream, self.slot, self.record = service, stream, slot, record
         self.prompt_ids, self.max_new_tokens, self.details = prompt_ids, max_new_tokens, details
+        self.logprobs = logprobs  # the request asked for the tokens' log-probabilities
+        self.prompt_logprobs = None  # the prompt's (TokenLogprobs, None for the first), when asked for
         self.completion = Completion(service.decode, prompt_ids, stop)
         self.result = None
         self.new_tokens = 0
@@ -48,7 +50,9 @@ class Generation:
             self.completion.finish()
             return None
         self.new_tokens += len(chunk.token_ids)
-        kept = self.completion.feed(chunk.token_ids, chunk.sources)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        kept = self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
         if self.completion.stopped:  # a stop string: no more rounds, but keep the engine's stats
             self._end()
         elif time.perf_counter() > self.deadline and not self._finished_by(chunk):  # the time budget is spent
@@ -108,6 +112,8 @@ class Generation:
                 "stats": stats.as_dict() if stats else None}
         if self.details:
             body["tokens"] = self.completion.tokens
+        if self.logprobs:
+            body["logprobs"] = self.logprob_entries(range(self.completion.answered()))
         return body
 
     def pumped(self, event_of):
@@ -134,16 +140,33 @@ class Generation:
         event = {"text": self.completion.take()}
         if self.details:
             event["tokens"] = kept
+        if self.logprobs:
+            event["logprobs"] = self.logprob_entries(self.completion.take_tokens())
         return event
 
+    def logprob_entries(self, indices: range) -> list[dict]:
+        """/predict's `logprobs` of the completion's tokens at `indices`: id, token (its own text, special
+        tokens shown), logprob and the top alternatives, each {id, token, logprob}."""
+        service, entries = self.service, []
+        for i in indices:
+            figures = self.completion.logprobs[i]
+            entries.append({"id": figures.token, "token": service.token_text(figures.token),
+                            "logprob": figures.logprob,
+                            "top_logprobs": [{"id": token, "token": service.token_text(token), "logprob": logprob}
+                                             for token, logprob in figures.top]})
+        return entries
+
     def events(self):
-        """/predict's Server-Sent Events: one per committed chunk, then one with finish_reason, usage and stats."""
+        """/predict's Server-Sent Events: one per committed chunk, then one with finish_reason, usage and stats.
+        With logprobs, each event has those of the tokens whose text it completes."""
         try:
             for event in self.pumped(self._event):
                 yield sse(event)
             final = self.body()
             final["text"] = self.completion.take()
             final.pop("tokens", None)
+            if self.logprobs:
+                final["logprobs"] = self.logprob_entries(self.completion.take_tokens())
             yield sse(final)
         except Exception as error:  # the status line is sent already: report in-band, keep serving
             api_error = to_api_error(error, self.record.request_id)
@@ -163,7 +186,7 @@ class Generation:
         finally:
             self.slot.release()
         record = self.record
-        record.completion_tokens = len(self.completion.tokens)
+        record.completion_tokens = (record.completion_tokens or 0) + len(self.completion.tokens)
         record.finish_reason = self.finish_reason() or "cancelled"
         stats = self.stats()
         record.acceptance_rate = stats.acceptance_rate if stats else None

@@ -2,9 +2,9 @@
 requests (strict types; unknown fields and unsupported features refused, never ignored), the answers, their
 streamed chunks, the model list and the error shape. /openapi.json's /v1 schemas are generated from them.
 
-A field OpenAI defines but this server does not implement (n > 1, logprobs, penalties, tools, ...) is accepted
-only at its no-op value (or null), so a client that sends the default still works and one that asks for the
-feature gets a 400 naming it. The sampling fields map onto SamplingParams through protocol.sampling_params.
+A field OpenAI defines but this server does not implement (n > 1, penalties, tools, ...) is accepted only at its
+no-op value (or null), so a client that sends the default still works and one that asks for the feature gets a
+400 naming it. The sampling fields (logprobs among them) map onto SamplingParams through protocol.sampling_params.
 """
 
 import hashlib
@@ -26,12 +26,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from ..params import DRAFTERS, SEED_MAX, SEED_MIN, SERVED_METHODS, VERIFICATIONS, SamplingParams
+from ..params import DRAFTERS, MAX_LOGPROBS, SEED_MAX, SEED_MIN, SERVED_METHODS, VERIFICATIONS, SamplingParams
 from .config import Settings
 from .errors import ApiError
 from .protocol import (
     CONFIDENCE_DESCRIPTION,
     DRAFTER_DESCRIPTION,
+    LOGPROBS_DESCRIPTION,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     VERIFICATION_DESCRIPTION,
@@ -83,18 +84,40 @@ def _stop_strings(value):
     return value
 
 
-def _one_prompt(value):
-    """`prompt`: a string, or a list holding exactly one string (the shapes OpenAI allows, at batch size 1)."""
-    if isinstance(value, list):
-        if value and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
-            raise ValueError("token-id prompts are not supported; send the prompt as text")
-        if len(value) != 1 or not isinstance(value[0], str):
-            raise ValueError("prompt must be a string or a list of exactly one string (one prompt per request)")
-    elif not isinstance(value, str):
-        raise ValueError("prompt must be a string or a list of exactly one string")
-    if not (value if isinstance(value, str) else value[0]):
-        raise ValueError("the prompt is empty")
+def _is_id(item) -> bool:
+    return isinstance(item, int) and not isinstance(item, bool)
+
+
+def _prompts(value):
+    """`prompt` in the shapes OpenAI allows: a string, a list of strings, a list of token ids, or a list of lists
+    of token ids; none empty, token ids not negative (the vocabulary's bound is the service's to check)."""
+    shape = "prompt must be a string, a list of strings, a list of token ids or a list of lists of token ids"
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("the prompt is empty")
+        return value
+    if not isinstance(value, list):
+        raise ValueError(shape)
+    if not value:
+        raise ValueError("the list of prompts is empty")
+    if all(isinstance(item, str) for item in value):
+        if not all(value):
+            raise ValueError("a prompt in the list is empty")
+    elif all(_is_id(item) for item in value):
+        _token_ids(value)
+    elif all(isinstance(item, list) for item in value):
+        for ids in value:
+            if not ids or not all(_is_id(item) for item in ids):
+                raise ValueError("each list of token ids must hold at least one token id, and token ids only")
+            _token_ids(ids)
+    else:
+        raise ValueError(shape + ", not a mix")
     return value
+
+
+def _token_ids(ids: list[int]) -> None:
+    if any(token < 0 for token in ids):
+        raise ValueError("token ids cannot be negative")
 
 
 def _text_content(value):
@@ -200,6 +223,10 @@ class _Request(BaseModel):
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    def sampling_fields(self) -> dict:
+        """Every SamplingParams field this request has, by the same name (as /predict reads them)."""
+        return {name: getattr(self, name, None) for name in SamplingParams.field_names()}
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
@@ -207,10 +234,7 @@ class _Request(BaseModel):
     def sampling(self, settings: Settings) -> SamplingParams:
         """The configured defaults with this request's sampling fields; a bad value is a 400 naming the field."""
         try:
-            # every SamplingParams field this request has, by the same name (as /predict reads them); the length
-            # under OpenAI's name
-            requested = {name: getattr(self, name, None) for name in SamplingParams.field_names()}
-            return sampling_params(settings, **{**requested, "max_new_tokens": self.requested_max_tokens})
+            return sampling_params(settings, **{**self.sampling_fields(), "max_new_tokens": self.requested_max_tokens})
         except ApiError as error:
             if error.field == "max_new_tokens":
                 error.field = self.max_tokens_field
@@ -219,38 +243,69 @@ class _Request(BaseModel):
 
 
 PromptText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
 class CompletionRequest(_Request):
     """POST /v1/completions."""
 
-    prompt: Annotated[PromptText | Annotated[list[PromptText], Field(min_length=1, max_length=1)],
-                      BeforeValidator(_one_prompt)] = Field(
-        description="the text to complete: a string, or a list of exactly one string")
-    echo: _no_op_only({"type": "boolean", "enum": [False]}, (False,), "not supported (only false)") = None
+    model_config = ConfigDict(json_schema_extra={"not": {  # max_tokens 0 only with echo
+        "required": ["max_tokens"],
+        "properties": {"max_tokens": {"type": "integer", "maximum": 0}, "echo": {"not": {"enum": [True]}}}}})
+
+    prompt: Annotated[PromptText | Annotated[list[PromptText], Field(min_length=1)] | TokenIds
+                      | Annotated[list[TokenIds], Field(min_length=1)], BeforeValidator(_prompts)] = Field(
+        description="the text to complete: a string, a list of strings, a list of token ids or a list of lists of "
+                    "token ids; several prompts give one choice each (index 0, 1, ...), decoded one after another, "
+                    "up to the server's max_prompts_per_request")
+    max_tokens: int | None = Field(None, ge=0, description="tokens to generate at most; 0 (with echo) scores the "
+                                                           "prompt alone")
+    echo: bool | None = Field(None, description="return the prompt before the completion (and with logprobs, the "
+                                                "prompt tokens' logprobs, null for the first)")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=LOGPROBS_DESCRIPTION + " (and the "
+                                                                                                "chosen token)")
     suffix: _no_op_only({"type": "string", "enum": [""]}, ("",), "insertion is not supported (only an empty suffix)") = None
     best_of: _no_op_only({"type": "integer", "enum": [1]}, (1,), "only 1 is supported") = None
-    logprobs: _no_op_only(None, (), "not supported") = None
+
+    @model_validator(mode="after")
+    def _nothing_to_do(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError("invalid_value", "max_tokens: 0 generates nothing; it is allowed with echo "
+                                      "(to score the prompt)", {"param": "max_tokens"})
+        return self
 
     @property
-    def prompt_text(self) -> str:
-        return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a string or a list of token ids."""
+        if isinstance(self.prompt, str) or all(isinstance(item, int) for item in self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+    def sampling_fields(self) -> dict:
+        # echo scores the prompt from its prefill: with logprobs, or alone (max_tokens 0) to return it
+        scored = self.echo and (self.logprobs is not None or self.max_tokens == 0)
+        return {**super().sampling_fields(), "prompt_logprobs": (self.logprobs or 0) if scored else None}
 
 
 class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
-    model_config = ConfigDict(json_schema_extra={"not": {  # not both max_completion_tokens and max_tokens
-        "required": ["max_completion_tokens", "max_tokens"],
-        "properties": {"max_completion_tokens": {"type": "integer"}, "max_tokens": {"type": "integer"}}}})
+    model_config = ConfigDict(json_schema_extra={"allOf": [
+        {"not": {  # not both max_completion_tokens and max_tokens
+            "required": ["max_completion_tokens", "max_tokens"],
+            "properties": {"max_completion_tokens": {"type": "integer"}, "max_tokens": {"type": "integer"}}}},
+        {"not": {  # top_logprobs only with logprobs: true
+            "required": ["top_logprobs"],
+            "properties": {"top_logprobs": {"type": "integer", "minimum": 1}, "logprobs": {"not": {"enum": [True]}}}}},
+    ]})
 
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
     max_completion_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
     max_tokens: int | None = Field(None, ge=1, description="the older name of max_completion_tokens")
-    logprobs: _no_op_only({"type": "boolean", "enum": [False]}, (False,),
-                          "not supported (only false)") = None
-    top_logprobs: _no_op_only({"type": "integer", "enum": [0]}, (0,),
-                              "not supported (only 0)") = None
+    logprobs: bool | None = Field(None, description="return each token's logprob: the target's log-softmax of its "
+                                                    "raw logits, before temperature, top-k and top-p")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
+                                     description="with logprobs: this many most likely alternatives per token")
     response_format: _no_op_only(
         {"type": "object", "required": ["type"], "additionalProperties": False,
          "properties": {"type": {"type": "string", "enum": ["text"]}}},
@@ -270,7 +325,13 @@ class ChatCompletionRequest(_Request):
         if self.max_completion_tokens is not None and self.max_tokens is not None:
             raise PydanticCustomError("invalid_value", "give max_completion_tokens or max_tokens (its older "
                                       "name), not both", {"param": "max_tokens"})
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("invalid_value", "top_logprobs needs logprobs: true",
+                                      {"param": "top_logprobs"})
         return self
+
+    def sampling_fields(self) -> dict:
+        return {**super().sampling_fields(), "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     @property
     def max_tokens_field(self) -> str:
@@ -382,12 +443,23 @@ class _Answer(BaseModel):
     system_fingerprint: str = Field(description="changes when the served pair or its configuration does")
 
 
+class CompletionLogprobs(BaseModel):
+    """A completion choice's logprobs, in OpenAI's completions shape: one entry per token of the choice's text
+    (the prompt's first, with echo), each the target's log-softmax of its raw logits."""
+
+    tokens: list[str] = Field(description="each token's own text")
+    token_logprobs: list[float | None] = Field(description="each token's logprob; null for the prompt's first")
+    top_logprobs: list[dict[str, float] | None] = Field(
+        description="the most likely tokens at each position (as many as logprobs asks), and the chosen one")
+    text_offset: list[int] = Field(description="where each token's text starts in the choice's text")
+
+
 class CompletionChoice(_Omitting):
     omit_if_none: ClassVar[frozenset[str]] = frozenset({"speculative_decoding_stats"})
 
     index: int
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = Field(None, description="with logprobs (in a stream: the chunk's tokens)")
     finish_reason: Literal[FINISH_REASONS] | None = Field(description="null until the last chunk of a stream")
     speculative_decoding_stats: SpeculativeDecodingStats | None = Field(
         None, description="on the answer, or on the last content chunk of a stream")
@@ -401,6 +473,22 @@ class Completion(_Answer):
     usage: CompletionUsage | None = Field(None, description="null in chunks; in the usage chunk of a stream")
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's bytes (part of a character, for some tokens)")
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="the most likely tokens here, as many as top_logprobs asks")
+
+
+class ChoiceLogprobs(BaseModel):
+    """A chat choice's logprobs, in OpenAI's chat shape."""
+
+    content: list[TokenLogprob] | None
+
+
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
@@ -411,7 +499,7 @@ class ChatChoice(_Omitting):
 
     index: int
     message: ChatCompletionMessage
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
     finish_reason: Literal[FINISH_REASONS]
     speculative_decoding_stats: SpeculativeDecodingStats | None = None
 
@@ -434,7 +522,7 @@ class ChunkChoice(_Omitting):
 
     index: int
     delta: ChoiceDelta
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = Field(None, description="with logprobs: the chunk's tokens")
     finish_reason: Literal[FINISH_REASONS] | None = Field(description="on the last content chunk")
     speculative_decoding_stats: SpeculativeDecodingStats | None = Field(None, description="on the last content chunk")
 

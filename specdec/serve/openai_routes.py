@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from flask import Blueprint, current_app, g, request
 
+from ..text import token_pieces
 from .errors import ApiError, to_api_error
 from .generation import Generation, sse
 from .openai_protocol import (
@@ -20,15 +21,19 @@ from .openai_protocol import (
     ChatCompletionMessage,
     ChatCompletionRequest,
     ChoiceDelta,
+    ChoiceLogprobs,
     ChunkChoice,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionUsage,
     Model,
     ModelList,
     ModelMetadata,
     SpeculativeDecodingStats,
+    TokenLogprob,
+    TopLogprob,
     fingerprint,
     openai_error,
     parse,
@@ -85,8 +90,14 @@ def completions():
     req = parse(CompletionRequest, read_json_object(request, svc.settings.max_body_bytes, svc.settings.body_timeout))
     sampling = req.sampling(svc.settings)
     check_model(svc, req.model)
-    prompt_ids = svc.encode(req.prompt_text, field_name="prompt")
-    return answer(svc, req, prompt_ids, sampling, "prompt", chat=False)
+    prompts, limit = req.prompts, svc.settings.max_prompts_per_request
+    if len(prompts) > limit:
+        raise ApiError(400, "invalid_value", f"prompt: at most {limit} prompts may be sent in one request, got "
+                                             f"{len(prompts)}", "prompt")
+    prompt_ids = [svc.check_token_ids(prompt, "prompt") if isinstance(prompt, list)
+                  else svc.encode(prompt, field_name="prompt") for prompt in prompts]
+    echoes = [prompt if isinstance(prompt, str) else svc.decode(prompt) for prompt in prompts] if req.echo else None
+    return answer(svc, req, prompt_ids, sampling, "prompt", chat=False, echoes=echoes)
 
 
 @openai_routes.post("/chat/completions")
@@ -97,7 +108,7 @@ def chat_completions():
     sampling = req.sampling(svc.settings)
     check_model(svc, req.model)
     prompt_ids = svc.encode(messages=req.chat_messages(), field_name="messages")
-    return answer(svc, req, prompt_ids, sampling, "messages", chat=True)
+    return answer(svc, req, [prompt_ids], sampling, "messages", chat=True)
 
 
 def check_model(svc, name: str) -> None:
@@ -107,16 +118,17 @@ def check_model(svc, name: str) -> None:
                                                f"{served_model(svc)!r} (see /v1/models)", "model")
 
 
-def answer(svc, req, prompt_ids: list[int], sampling, prompt_field: str, chat: bool):
-    """Fit the completion into the context, start the generation, answer as JSON or as a stream."""
-    sampling = sampling.replace(max_new_tokens=room(svc, prompt_ids, sampling.max_new_tokens,
-                                                    req.requested_max_tokens is not None, req.max_tokens_field,
-                                                    prompt_field))
-    generation = svc.generation(prompt_ids, sampling, g.record, req.stop_strings)
+def answer(svc, req, prompts: list[list[int]], sampling, prompt_field: str, chat: bool,
+           echoes: list[str] | None = None):
+    """Fit each completion into the context, start decoding, answer as JSON or as a stream."""
+    samplings = [sampling.replace(max_new_tokens=room(svc, ids, sampling.max_new_tokens,
+                                                      req.requested_max_tokens is not None, req.max_tokens_field,
+                                                      prompt_field)) for ids in prompts]
+    choices = Choices(svc, g.record, prompts, samplings, req.stop_strings, echoes)
     reply = Reply(chat=chat, id=("chatcmpl-" if chat else "cmpl-") + g.record.request_id, created=int(time.time()),
                   model=served_model(svc), fingerprint=fingerprint(svc.models.info, svc.settings),
-                  include_usage=req.include_usage)
-    return svc.respond(generation, bool(req.stream), events=reply.events, body=reply.body)
+                  include_usage=req.include_usage, logprobs=sampling.logprobs is not None)
+    return svc.respond(choices, bool(req.stream), events=reply.events, body=reply.body)
 
 
 def room(svc, prompt_ids: list[int], max_tokens: int, requested: bool, max_field: str, prompt_field: str) -> int:
@@ -138,9 +150,55 @@ def finish_reason(generation: Generation) -> str:
     return "stop" if generation.finish_reason() == "stop" else "length"  # a time limit cut it short too
 
 
+class Choices:
+    """A /v1 request's generations, one per prompt (a choice each), decoded one after another. Several prompts
+    hold the engine for the whole request; each generation starts when the one before it has ended."""
+
+    def __init__(self, svc, record, prompts: list[list[int]], samplings: list, stop, echoes: list[str] | None):
+        self.svc, self.record, self.prompts, self.samplings, self.stop = svc, record, prompts, samplings, stop
+        self.echoes = echoes  # with echo: each prompt's text, returned before its completion
+        self.slot = svc.acquire(record) if len(prompts) > 1 else None
+        self.generations = [self._start(0)]  # a single prompt waits for the engine here (503 before answering)
+
+    def _start(self, index: int) -> Generation:
+        return self.svc.generation(self.prompts[index], self.samplings[index], self.record, self.stop,
+                                   slot=self.slot)
+
+    def __iter__(self):
+        """(index, generation), each started when reached."""
+        for index in range(len(self.prompts)):
+            if index == len(self.generations):
+                self.generations.append(self._start(index))
+            yield index, self.generations[index]
+
+    def run(self) -> None:
+        for _, generation in self:
+            try:
+                generation.run()
+            finally:
+                generation.close()
+
+    def close(self) -> None:
+        for generation in self.generations:
+            generation.close()
+        if self.slot is not None:
+            self.slot.release()
+
+    def usage(self) -> dict:
+        usages = [generation.usage() for generation in self.generations]
+        return {key: sum(usage[key] for usage in usages) for key in usages[0]}
+
+    def echo(self, index: int) -> str:
+        return self.echoes[index] if self.echoes is not None else ""
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, -9999.0)  # JSON has no -inf (vLLM's floor, too)
+
+
 @dataclass(frozen=True)
 class Reply:
-    """How one /v1 request is answered: its id, time and model, and the shapes of its choice."""
+    """How one /v1 request is answered: its id, time and model, and the shapes of its choices."""
 
     chat: bool
     id: str
@@ -148,61 +206,127 @@ class Reply:
     model: str
     fingerprint: str
     include_usage: bool
+    logprobs: bool = False  # the request asked for logprobs
 
     def _header(self) -> dict:
         return {"id": self.id, "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint}
 
-    def body(self, generation: Generation) -> dict:
-        """The whole answer, as one JSON object."""
-        text, reason = generation.completion.text, finish_reason(generation)
-        stats = SpeculativeDecodingStats.of(generation.stats())
-        usage = CompletionUsage(**generation.usage())
-        if self.chat:
-            choice = ChatChoice(index=0, message=ChatCompletionMessage(content=text), finish_reason=reason,
-                                speculative_decoding_stats=stats)
-            return ChatCompletion(**self._header(), choices=[choice], usage=usage).model_dump()
-        choice = CompletionChoice(index=0, text=text, finish_reason=reason, speculative_decoding_stats=stats)
-        return Completion(**self._header(), choices=[choice], usage=usage).model_dump()
+    # --- logprobs: (token id, TokenLogprobs or None, text offset) entries in the two shapes -------------------
 
-    def _chunk(self, text: str | None, reason: str | None = None, stats=None, role: bool = False,
-               usage: dict | None = None) -> str:
+    def _prompt_entries(self, choices: Choices, index: int, generation: Generation) -> list[tuple]:
+        """The prompt's tokens, with echo and logprobs: offsets from their text pieces."""
+        if not self.logprobs or choices.echoes is None or generation.prompt_logprobs is None:
+            return []
+        entries, offset = [], 0
+        pieces = token_pieces(choices.svc.decode, generation.prompt_ids)
+        for token, figures, piece in zip(generation.prompt_ids, generation.prompt_logprobs, pieces):
+            entries.append((token, figures, offset))
+            offset += len(piece)
+        return entries
+
+    def _entries(self, choices: Choices, index: int, generation: Generation, tokens: range) -> list[tuple]:
+        """The completion's tokens at `tokens`, with logprobs; offsets in the choice's text."""
+        if not self.logprobs:
+            return []
+        completion, base = generation.completion, len(choices.echo(index))
+        return [(completion.tokens[i]["id"], completion.logprobs[i], base + completion.offsets[i]) for i in tokens]
+
+    def _logprobs(self, svc, entries: list[tuple]):
+        if not self.logprobs:
+            return None
+        if self.chat:
+            def top(token: int, logprob: float) -> dict:
+                return {"token": svc.token_text(token), "logprob": _finite(logprob),
+                        "bytes": list(svc.token_bytes(token))}
+            return ChoiceLogprobs(content=[TokenLogprob(**top(token, figures.logprob),
+                                                        top_logprobs=[TopLogprob(**top(*alt)) for alt in figures.top])
+                                           for token, figures, _ in entries])
+        tops = []
+        for token, figures, _ in entries:
+            if figures is None:
+                tops.append(None)
+                continue
+            alternatives = {svc.token_text(alt): _finite(logprob) for alt, logprob in figures.top}
+            tops.append({**alternatives, **{svc.token_text(token): _finite(figures.logprob)}})
+        return CompletionLogprobs(tokens=[svc.token_text(token) for token, _, _ in entries],
+                                  token_logprobs=[None if figures is None else _finite(figures.logprob)
+                                                  for _, figures, _ in entries],
+                                  top_logprobs=tops, text_offset=[offset for _, _, offset in entries])
+
+    # --- the answer ------------------------------------------------------------------------------------------
+
+    def body(self, choices: Choices) -> dict:
+        """The whole answer, as one JSON object."""
+        usage = CompletionUsage(**choices.usage())
+        answers = []
+        for index, generation in enumerate(choices.generations):
+            completion = generation.completion
+            entries = self._prompt_entries(choices, index, generation) + self._entries(
+                choices, index, generation, range(completion.answered()))
+            logprobs = self._logprobs(choices.svc, entries)
+            text, reason = choices.echo(index) + completion.text, finish_reason(generation)
+            stats = SpeculativeDecodingStats.of(generation.stats())
+            if self.chat:
+                answers.append(ChatChoice(index=index, message=ChatCompletionMessage(content=text),
+                                          logprobs=logprobs, finish_reason=reason, speculative_decoding_stats=stats))
+            else:
+                answers.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason,
+                                                speculative_decoding_stats=stats))
+        kind = ChatCompletion if self.chat else Completion
+        return kind(**self._header(), choices=answers, usage=usage).model_dump()
+
+    def _chunk(self, text: str | None, index: int = 0, reason: str | None = None, stats=None, role: bool = False,
+               usage: dict | None = None, logprobs=None) -> str:
         if usage is not None:
             choices = []
         elif self.chat:
             delta = ChoiceDelta(role="assistant" if role else None, content=text)
-            choices = [ChunkChoice(index=0, delta=delta, finish_reason=reason, speculative_decoding_stats=stats)]
+            choices = [ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason,
+                                   speculative_decoding_stats=stats)]
         else:
-            choices = [CompletionChoice(index=0, text=text, finish_reason=reason, speculative_decoding_stats=stats)]
+            choices = [CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason,
+                                        speculative_decoding_stats=stats)]
         kind = ChatCompletionChunk if self.chat else Completion
         chunk = kind(**self._header(), choices=choices,
                      usage=None if usage is None else CompletionUsage(**usage))
         return sse(chunk.model_dump(exclude=None if self.include_usage else {"usage"}))
 
-    def events(self, generation: Generation):
-        """OpenAI's stream: a chunk per decoded round that adds text (a chat stream starts with the role),
-        finish_reason and the stats on the last content chunk, the usage chunk if asked for, then [DONE]. Text
-        that may turn out to be the start of a stop string is held back until it is known not to be."""
+    def events(self, choices: Choices):
+        """OpenAI's stream: each choice in turn, a chunk per decoded round that adds text (a chat stream starts
+        with the role; with echo, the prompt comes first), finish_reason and the stats on the choice's last
+        content chunk, the usage chunk if asked for, then [DONE]. Text that may turn out to be the start of a
+        stop string is held back until it is known not to be, and a token's logprobs go with its text."""
         try:
-            if self.chat:
-                yield self._chunk("", role=True)
-            last = ""  # the text of the round that ended decoding: it goes with finish_reason
-            while generation.step() is not None:
-                text = generation.completion.take()
-                if generation.final:
-                    last += text
-                elif text or last:
-                    yield self._chunk(last + text)
-                    last = ""
-            last += generation.completion.take()
-            yield self._chunk(last, finish_reason(generation), SpeculativeDecodingStats.of(generation.stats()))
+            for index, generation in choices:
+                yield from self._choice_events(choices, index, generation)
+                generation.close()
             if self.include_usage:
-                yield self._chunk(None, usage=generation.usage())
+                yield self._chunk(None, usage=choices.usage())
             yield DONE
         except Exception as error:  # the status line is sent already: report in-band, as OpenAI does
-            api_error = to_api_error(error, generation.record.request_id)
-            generation.record.error = api_error.type
+            api_error = to_api_error(error, choices.record.request_id)
+            choices.record.error = api_error.type
             yield sse(openai_error(api_error)[0])
             yield DONE
         finally:
-            generation.close()
+            choices.close()
 
+    def _choice_events(self, choices: Choices, index: int, generation: Generation):
+        if self.chat:
+            yield self._chunk("", index, role=True)
+        completion = generation.completion
+        text, entries = choices.echo(index), []  # not sent yet: the round that ended decoding goes with finish
+        first = True
+        while generation.step() is not None:
+            if first:
+                entries += self._prompt_entries(choices, index, generation)
+                first = False
+            text += completion.take()
+            entries += self._entries(choices, index, generation, completion.take_tokens())
+            if not generation.final and (text or entries):
+                yield self._chunk(text, index, logprobs=self._logprobs(choices.svc, entries))
+                text, entries = "", []
+        text += completion.take()
+        entries += self._entries(choices, index, generation, completion.take_tokens())
+        yield self._chunk(text, index, finish_reason(generation), SpeculativeDecodingStats.of(generation.stats()),
+                          logprobs=self._logprobs(choices.svc, entries))

@@ -74,7 +74,19 @@ SCHEMAS = {
             "usage": {"$ref": "#/components/schemas/Usage"},
             "stats": {"$ref": "#/components/schemas/GenerationStats"},
             "tokens": {"type": "array", "items": {"$ref": "#/components/schemas/Token"}},
+            "logprobs": {"type": "array", "items": {"$ref": "#/components/schemas/PredictTokenLogprob"},
+                         "description": "with logprobs: one per token of the text"},
         },
+    },
+    "PredictTokenLogprob": {
+        "type": "object", "required": ["id", "token", "logprob", "top_logprobs"],
+        "description": "the target's log-probability of a token (log-softmax of its raw logits, before "
+                       "temperature, top-k and top-p) and the most likely alternatives",
+        "properties": {"id": {"type": "integer"}, "token": {"type": "string"}, "logprob": {"type": "number"},
+                       "top_logprobs": {"type": "array", "items": {
+                           "type": "object", "required": ["id", "token", "logprob"],
+                           "properties": {"id": {"type": "integer"}, "token": {"type": "string"},
+                                          "logprob": {"type": "number"}}}}},
     },
     "Ready": {
         "type": "object", "required": ["status", "models", "device", "dtype", "context_length"],
@@ -96,8 +108,8 @@ SCHEMAS = {
 # One Server-Sent Event of a streamed answer (what schemathesis validates each event against).
 SSE_EVENT = {"type": "object", "required": ["data"],
              "properties": {"data": {"type": "string", "description": (
-                 'a JSON object: {"text"} (and "tokens" with details) per round; the last one adds finish_reason, '
-                 'usage and stats, or is {"error": {...}} if decoding failed after the stream started')}}}
+                 'a JSON object: {"text"} (and "tokens" with details, "logprobs" with logprobs) per round; the '
+                 'last one adds finish_reason, usage and stats, or is {"error": {...}} if decoding failed after the stream started')}}}
 
 _REQUEST_ID = {"X-Request-ID": {"description": "the client's X-Request-ID if it sent a plain one, else a new id",
                                 "schema": {"type": "string"}}}
@@ -213,6 +225,9 @@ def openai_document(settings: Settings, served_model: str | None, keyed: bool = 
         _limit(props["gamma"], settings.max_gamma)
         if served_model is not None:
             props["model"]["enum"] = [served_model]
+    for branch in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+        if branch.get("items", {}).get("type") in ("string", "array"):  # several prompts
+            branch["maxItems"] = settings.max_prompts_per_request
     schemas = {name: openapi30(schema) for name, schema in schemas.items()}
 
     ref = lambda name: {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}  # noqa: E731

@@ -15,7 +15,16 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..errors import SpecDecError
-from ..params import DRAFTERS, MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SERVED_METHODS, VERIFICATIONS, SamplingParams
+from ..params import (
+    DRAFTERS,
+    MAX_LOGPROBS,
+    MIN_TEMPERATURE,
+    SEED_MAX,
+    SEED_MIN,
+    SERVED_METHODS,
+    VERIFICATIONS,
+    SamplingParams,
+)
 from .concurrency import TimeLimitExceeded, time_limit
 from .config import Settings
 from .errors import ApiError
@@ -38,6 +47,8 @@ DRAFTER_DESCRIPTION = ("who proposes: the draft model, prompt lookup (n-grams of
 VERIFICATION_DESCRIPTION = "how proposals are verified: token by token, or the block jointly (Sun et al. 2025)"
 CONFIDENCE_DESCRIPTION = ("the draft model ends its run before gamma after a token it gave a probability below "
                           "this (softmax of its logits, before temperature, top-k and top-p); 0: never")
+LOGPROBS_DESCRIPTION = ("the target's log-probability of each token (log-softmax of its raw logits, before "
+                        "temperature, top-k and top-p), with this many most likely alternatives")
 
 
 def _not_tiny(value: float | None) -> float | None:
@@ -82,6 +93,7 @@ class PredictRequest(BaseModel):
         None, max_length=MAX_STOP_STRINGS, description="the completion ends before the first one found")
     chat: bool | None = Field(None, description="wrap the prompt in the model's chat template")
     details: bool | None = Field(None, description="add the per-token list")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="add `logprobs`: " + LOGPROBS_DESCRIPTION)
     stream: bool | None = Field(None, description="answer with Server-Sent Events")
 
     @field_validator("prompt")
@@ -180,7 +192,7 @@ def parse_predict(body: dict, settings: Settings) -> PredictParams:
         req = PredictRequest.model_validate(body)
     except ValidationError as error:
         raise _invalid_field(error.errors()[0]) from None
-    sampling = sampling_params(settings, **{name: getattr(req, name) for name in SamplingParams.field_names()})
+    sampling = sampling_params(settings, **{name: getattr(req, name, None) for name in SamplingParams.field_names()})
     return PredictParams(prompt=req.prompt, sampling=sampling, stop=tuple(req.stop or ()), chat=bool(req.chat),
                          details=bool(req.details), stream=bool(req.stream))
 

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from flask import Response, jsonify, request
 
 from ..params import SamplingParams
-from ..text import decoder_of, encode_messages, encode_prompt
+from ..text import decoder_of, encode_messages, encode_prompt, token_bytes
 from .concurrency import EngineThread
 from .config import Settings
 from .errors import ApiError
 from .generation import Generation
 from .loader import ModelHost
 from .metrics import Metrics
-from .scheduler import Overloaded, Scheduler
+from .scheduler import Overloaded, Scheduler, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,9 @@ class RequestRecord:
     completion_tokens: int | None = None
     acceptance_rate: float | None = None
     finish_reason: str | None = None
-    generation: Generation | None = None
+    generation: Generation | None = None  # the one decoding now (of several prompts, they go one after another)
+    generations: list[Generation] = field(default_factory=list)
+    slot: Slot | None = None  # the engine, held across a request's several prompts
     done: bool = False
 
 
@@ -116,6 +118,24 @@ class Service:
         with self._tokenizer_lock:
             return decoder_of(self.tokenizer)(token_ids)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, as logprobs show it (special tokens included)."""
+        with self._tokenizer_lock:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        with self._tokenizer_lock:
+            return token_bytes(self.tokenizer, token_id)
+
+    def check_token_ids(self, ids: list[int], field_name: str = "prompt") -> list[int]:
+        """A token-id prompt, checked against the vocabulary and the length limits."""
+        vocab = self.decoder.vocab_size
+        bad = next((token for token in ids if not 0 <= token < vocab), None)
+        if bad is not None:
+            raise ApiError(422, "invalid_field", f"token id {bad} is out of the vocabulary (0 to {vocab - 1})",
+                           field_name)
+        return self._check_length(ids, 0, field_name)
+
     def encode(self, prompt: str | None = None, chat: bool = False, messages: list[dict] | None = None,
                max_new_tokens: int = 0, field_name: str = "prompt") -> list[int]:
         """The prompt's (or the chat messages') token ids, checked against the length limits."""
@@ -127,6 +147,9 @@ class Service:
                 ids = encode_messages(self.tokenizer, messages or [{"role": "user", "content": prompt}])
             else:
                 ids = encode_prompt(self.tokenizer, prompt)
+        return self._check_length(ids, max_new_tokens, field_name)
+
+    def _check_length(self, ids: list[int], max_new_tokens: int, field_name: str) -> list[int]:
         if not ids:
             raise ApiError(422, "invalid_field", "the prompt encodes to no tokens", field_name)
         if len(ids) > self.settings.max_prompt_tokens:
@@ -139,26 +162,39 @@ class Service:
                                                    f"holds {context} tokens", field_name)
         return ids
 
-    def generation(self, prompt_ids: list[int], sampling: SamplingParams, record: RequestRecord, stop=(),
-                   details: bool = False) -> Generation:
-        """Wait for the engine (503 when overloaded) and start decoding: the Generation that drives it."""
-        record.method = sampling.method
-        record.prompt_tokens = len(prompt_ids)
-        if sampling.seed is None:
-            sampling = sampling.replace(seed=secrets.randbits(63))
-        self._refuse_if_draining(record.started)  # the one way into the engine, whichever route comes this way
+    def acquire(self, record: RequestRecord) -> Slot:
+        """Wait for the engine (503 when overloaded), for a request that decodes several prompts in one turn:
+        `generation(..., slot=...)` for each; released by `finish`, if not before."""
+        self._refuse_if_draining(record.started)
+        record.slot = self._take_engine()
+        return record.slot
+
+    def _take_engine(self) -> Slot:
         try:
-            slot = self.scheduler.acquire()
+            return self.scheduler.acquire()
         except Overloaded as error:
             raise ApiError(503, "overloaded", str(error),
                            headers={"Retry-After": str(self.settings.retry_after)}) from None
+
+    def generation(self, prompt_ids: list[int], sampling: SamplingParams, record: RequestRecord, stop=(),
+                   details: bool = False, slot: Slot | None = None) -> Generation:
+        """Wait for the engine (503 when overloaded), unless `slot` (from `acquire`) holds it already, and start
+        decoding: the Generation that drives it."""
+        record.method = sampling.method
+        record.prompt_tokens = (record.prompt_tokens or 0) + len(prompt_ids)
+        if sampling.seed is None:
+            sampling = sampling.replace(seed=secrets.randbits(63))
+        self._refuse_if_draining(record.started)  # the one way into the engine, whichever route comes this way
+        slot = self._take_engine() if slot is None else _Borrowed(slot)
         try:  # arguments are checked here; decoding starts on the engine thread, at the first round
             stream = self.decoder.stream(prompt_ids, params=sampling, eos_token_id=self.models.eos_token_ids)
         except BaseException:
             slot.release()
             raise
         generation = record.generation = Generation(self, stream, slot, record, prompt_ids,
-                                                    sampling.max_new_tokens, stop, details)
+                                                    sampling.max_new_tokens, stop, details,
+                                                    logprobs=sampling.logprobs is not None)
+        record.generations.append(generation)
         return generation
 
     def respond(self, generation: Generation, stream: bool, events=None, body=None) -> Response:
@@ -182,8 +218,10 @@ class Service:
         if record.done:
             return
         record.done = True
-        if record.generation is not None:
-            record.generation.close()
+        for generation in record.generations:
+            generation.close()
+        if record.slot is not None:
+            record.slot.release()
         seconds = time.perf_counter() - record.started
         self.metrics.observe_request(record.endpoint, record.status or 0, seconds)
         rate = "-" if record.acceptance_rate is None else f"{record.acceptance_rate:.3f}"
@@ -191,6 +229,16 @@ class Service:
                     "acceptance_rate=%s seconds=%.3f finish_reason=%s error=%s", record.request_id, record.route,
                     record.status, _dash(record.prompt_tokens), _dash(record.completion_tokens),
                     _dash(record.method), rate, seconds, _dash(record.finish_reason), _dash(record.error))
+
+
+class _Borrowed:
+    """A generation's use of a slot its request holds (several prompts): releasing it leaves the slot held."""
+
+    def __init__(self, slot: Slot):
+        self.waited = slot.waited
+
+    def release(self) -> None:
+        pass
 
 
 def _dash(value) -> str:

@@ -232,3 +232,27 @@ def test_the_service_compiles_before_it_is_ready_and_serves_greedy_target_only(t
     speculative = client.post("/predict", json={**body, "method": "google"}).get_json()
     target_only = client.post("/predict", json={**body, "method": "target"}).get_json()
     assert speculative["text"] == target_only["text"] and speculative["usage"]["completion_tokens"] > 0
+
+
+def test_compiled_logprobs_are_the_targets_on_every_drafter_and_rule(greedy_pairs):
+    """On the compiled path too, the logprobs reported are the target's: speculative equal target-only on the
+    same tokens within 1e-5, and a plain eager forward within 1e-4 (the prompt's, from the prefill, as well)."""
+    from specdec import SamplingParams
+    from tests.test_logprobs import plain_forward
+
+    (_, target), (fast_draft, fast_target) = greedy_pairs
+    decoder = SpeculativeDecoder(fast_draft, fast_target)
+    prompt = [5, 17, 42, 8, 99, 3, 5, 17, 42, 8]
+    reference = decoder.generate(prompt, params=SamplingParams(max_new_tokens=24, method="target", temperature=0,
+                                                               logprobs=2, prompt_logprobs=1), eos_token_id=[])
+    plain = plain_forward(target, prompt, reference.token_ids)
+    assert [t.logprob for t in reference.logprobs] == pytest.approx(plain[len(prompt) - 1:].tolist(), abs=1e-4)
+    assert [t.logprob for t in reference.prompt_logprobs[1:]] == pytest.approx(plain[:len(prompt) - 1].tolist(),
+                                                                                abs=1e-4)
+    for drafter, rule, method in COMPILED_RULES:
+        result = decoder.generate(prompt, params=SamplingParams(
+            max_new_tokens=24, method=method, gamma=4, temperature=0, logprobs=2, drafter=drafter,
+            verification=rule), eos_token_id=[])
+        assert result.token_ids == reference.token_ids
+        assert [t.logprob for t in result.logprobs] == pytest.approx([t.logprob for t in reference.logprobs],
+                                                                      abs=1e-5)

@@ -25,16 +25,18 @@ from .threads import unpatched
 logger = logging.getLogger(__name__)
 
 COMPILE_CHOICES = ("auto", "true", "false")
-STATIC_CACHE_TOKENS = 8192  # the longest sequence a static cache holds (capped by the model's context)
+# The longest sequence a static cache holds (capped by the model's context): the service's default prompt and
+# completion limits (max_prompt_tokens 4096 + max_new_tokens_limit 1024). Every step attends over all of it,
+# masked, so a larger one costs every token; a longer request takes the dynamic cache.
+STATIC_CACHE_TOKENS = 5120
 MAX_WIDTH = 17  # the widest compiled forward: gamma up to 16 and its bonus position
-RECOMPILE_LIMIT = 64  # graphs per compiled function: two per model, and the tests' many tiny models in one process
 
 
 def resolve_compile(value, device: torch.device) -> bool:
     """"auto" | True | False (or "true" / "false"): whether the pair takes the compiled path. `auto` is on for
     CUDA, where a small pair's rounds are bound by kernel launches, and off on CPU, where the default pair's
-    forwards are bound by memory bandwidth and the eager path with our few-rows kernels measured faster
-    (bench/README.md)."""
+    compiled path measured several times slower than its eager one (bench/README.md, "Rounds bound by
+    overhead")."""
     name = str(value).strip().lower() if value is not None else "auto"
     if isinstance(value, bool):
         name = "true" if value else "false"
@@ -56,9 +58,9 @@ class StaticDecoding:
         self.owner: object | None = None
         self.cuda_graphs = cuda_graphs
         # A code object of its own: torch.compile keeps its graphs and guards per code object, so this model's
-        # graphs are never another's, and only the guards on tensors (shapes, dtypes, devices) need checking per
-        # call: the model and its settings do not change once compiled. The guards on Python objects cost more
-        # than the computation of a small model (about 120 us per call on our CPUs, `python -m bench.overhead`).
+        # graphs (two: width 1, and every width after it) are never another's, and only the guards on tensors
+        # (shapes, dtypes, devices) need checking per call: the model and its settings do not change once
+        # compiled. The guards on Python objects cost more than a small model's forward (bench/README.md).
         own = types.FunctionType(_step.__code__.replace(), _step.__globals__, _step.__name__)
         options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
         if cuda_graphs:
@@ -151,7 +153,6 @@ def compile_model(model, device: torch.device) -> bool:
     from .cpu.attention import restore_attention
 
     restore_attention(model)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     limit = context_length(model) or STATIC_CACHE_TOKENS
     static = StaticDecoding(model, min(limit, STATIC_CACHE_TOKENS), cuda_graphs=torch.device(device).type == "cuda")
     try:

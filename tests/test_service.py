@@ -509,23 +509,12 @@ def test_stream_sends_one_event_per_round_then_a_summary(client):
     assert final["usage"] == plain["usage"] and final["finish_reason"] == plain["finish_reason"]
 
 
-def test_closing_a_stream_stops_generation(client, service, caplog, monkeypatch):
-    """The engine decodes ahead of the reader (generation.pumped) and checks for a close before every round: a
-    close stops it within the rounds decoded meanwhile, not after its 200 tokens."""
+def test_closing_a_stream_stops_generation(client, service, caplog):
     def generated():
         for line in client.get("/metrics").get_data(as_text=True).splitlines():
             if line.startswith("specdec_generated_tokens_total "):
                 return float(line.split()[-1])
 
-    from specdec.engine import _Request
-
-    forward = _Request.forward
-
-    def slowed(self, *args, **kwargs):  # 200 tokens take seconds; the close comes within milliseconds
-        time.sleep(0.005)
-        return forward(self, *args, **kwargs)
-
-    monkeypatch.setattr(_Request, "forward", slowed)
     before = generated()
     with caplog.at_level(logging.INFO, logger="specdec.serve"):
         # seeded: a sampled <eos> in the first round would end the request before the close (seen once unseeded)
@@ -535,7 +524,7 @@ def test_closing_a_stream_stops_generation(client, service, caplog, monkeypatch)
         assert first.startswith(b"data: ") and service.scheduler.busy
         response.close()  # what the server does when a write to a departed client fails
     assert not service.scheduler.busy
-    assert generated() - before <= 30  # a few rounds of gamma 2, not 200 tokens
+    assert generated() - before <= 3  # one round of gamma 2, not 200 tokens
     assert any("request_id=gone-1" in r.getMessage() and "finish_reason=cancelled" in r.getMessage()
                for r in caplog.records)
     assert predict(client, max_new_tokens=3).status_code == 200

@@ -81,38 +81,6 @@ class EngineThread:
                 done.set_result(outcome)
 
 
-class Mailbox:
-    """Items from the engine thread to one reader, in order, ended by `close` (or `fail`, which raises in the
-    reader). The reader waits cooperatively: under gevent its greenlet waits and the event loop runs on."""
-
-    def __init__(self):
-        self._head = self._tail = Future()
-
-    def put(self, item) -> None:
-        self._push((True, item))
-
-    def fail(self, error: BaseException) -> None:
-        self._push((False, error))
-
-    def close(self) -> None:
-        self._push(None)
-
-    def _push(self, entry) -> None:
-        current, self._tail = self._tail, Future()
-        current.set_result((entry, self._tail))
-
-    def __iter__(self):
-        future = self._head
-        while True:
-            entry, future = _wait(future)
-            if entry is None:
-                return
-            ok, value = entry
-            if not ok:
-                raise value
-            yield value
-
-
 def _wait(future: Future):
     """The future's result; under gevent the calling greenlet waits and the loop runs on (a timeout keeps the loop
     alive: gevent would end one with nothing else to wait for)."""

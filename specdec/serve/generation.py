@@ -13,7 +13,6 @@ from dataclasses import replace
 
 from ..stats import GenerationStats
 from ..text import Completion
-from .concurrency import Mailbox
 from .errors import to_api_error
 
 
@@ -32,7 +31,6 @@ class Generation:
         self.deadline = time.perf_counter() + service.settings.request_timeout  # the engine is ours until then
         self.timed_out = False
         self.final = False  # the round just decoded was the last: the next step ends without decoding
-        self.cancelled = False  # set by `close`: a pump on the engine thread stops before its next round
         self.closed = False
         self._close_lock = threading.Lock()
 
@@ -116,27 +114,8 @@ class Generation:
             body["logprobs"] = self.logprob_entries(range(self.completion.answered()))
         return body
 
-    def pumped(self, event_of):
-        """Each round's event, as `event_of(kept)` makes it on the engine thread right after the round's checks
-        (stop strings, the time budget): the engine decodes round after round while the request's greenlet sends,
-        with no hand-off between rounds. Ends after the last round; `close` stops it before the next one. Nothing
-        else reads this generation's text until it has ended."""
-        mailbox = Mailbox()
-
-        def pump():
-            try:
-                while not self.cancelled and (kept := self.step()) is not None:
-                    mailbox.put(event_of(kept))
-            except BaseException as error:  # noqa: BLE001 - raised in the reader
-                mailbox.fail(error)
-            else:
-                mailbox.close()
-
-        self.service.engine.submit(pump)
-        yield from mailbox
-
     def _event(self, kept: list[dict]) -> dict:
-        """/predict's event for one round (`pumped`)."""
+        """/predict's event for one round."""
         event = {"text": self.completion.take()}
         if self.details:
             event["tokens"] = kept
@@ -160,8 +139,10 @@ class Generation:
         """/predict's Server-Sent Events: one per committed chunk, then one with finish_reason, usage and stats.
         With logprobs, each event has those of the tokens whose text it completes."""
         try:
-            for event in self.pumped(self._event):
-                yield sse(event)
+            # one hand-off per round: an engine thread decoding ahead while the greenlet sends measured slower (the
+            # two contend for the GIL: bench/README.md, "Rounds bound by overhead")
+            while (kept := self.step()) is not None:
+                yield sse(self._event(kept))
             final = self.body()
             final["text"] = self.completion.take()
             final.pop("tokens", None)
@@ -176,12 +157,11 @@ class Generation:
             self.close()
 
     def close(self) -> None:
-        self.cancelled = True
         with self._close_lock:
             if self.closed:
                 return
             self.closed = True
-        try:  # after a pump's round in progress: the engine thread runs its jobs in order
+        try:
             self.service.engine.call(self.stream.close)
         finally:
             self.slot.release()

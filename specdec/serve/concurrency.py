@@ -39,7 +39,12 @@ class EngineThread:
         else:
             done: Future = Future()
             self._jobs.put((fn, args, done))
-            ok, value = _wait(done)
+            while True:  # under gevent the calling greenlet waits, and the event loop runs on
+                try:  # (a timeout keeps the loop alive: gevent would end one with nothing else to wait for)
+                    ok, value = done.result(timeout=1.0)
+                    break
+                except FutureTimeout:
+                    continue
         if not ok:
             raise value
         return value
@@ -79,16 +84,6 @@ class EngineThread:
             outcome = _captured(fn, args)
             if done is not None:
                 done.set_result(outcome)
-
-
-def _wait(future: Future):
-    """The future's result; under gevent the calling greenlet waits and the loop runs on (a timeout keeps the loop
-    alive: gevent would end one with nothing else to wait for)."""
-    while True:
-        try:
-            return future.result(timeout=1.0)
-        except FutureTimeout:
-            continue
 
 
 def _event_loop_turn() -> Callable[[], None] | None:

@@ -83,8 +83,8 @@ class StaticDecoding:
         out = self.step(self, ids)
         return out.clone() if self.cuda_graphs else out  # a CUDA graph's output is overwritten by the next call
 
-    def warm_up(self) -> int:
-        """Compile (and on CUDA, record) every width up to MAX_WIDTH on a throwaway sequence; returns the widths."""
+    def warm_up(self) -> None:
+        """Compile (and on CUDA, record) every width up to MAX_WIDTH on a throwaway sequence."""
         device = input_device(self.model)
         ids = torch.zeros(1, MAX_WIDTH + 1, dtype=torch.long, device=device)
         owner = object()
@@ -95,7 +95,6 @@ class StaticDecoding:
                 self.forward(owner, ids[:, :width])
                 self.cache.crop(-width)
         self.claim(None)
-        return MAX_WIDTH
 
 
 def _step(decoding: StaticDecoding, ids: torch.Tensor) -> torch.Tensor:
@@ -150,9 +149,9 @@ def compile_model(model, device: torch.device) -> bool:
     from the mask's values, which a compiled graph cannot. Our few-rows linear layers stay: their operator has a
     shape function, so they compile into the graph as calls.
     """
-    from .cpu.attention import restore_attention
+    from .cpu.attention import restore_attention, use_gqa_attention
 
-    restore_attention(model)
+    ours = restore_attention(model)
     limit = context_length(model) or STATIC_CACHE_TOKENS
     static = StaticDecoding(model, min(limit, STATIC_CACHE_TOKENS), cuda_graphs=torch.device(device).type == "cuda")
     try:
@@ -160,6 +159,8 @@ def compile_model(model, device: torch.device) -> bool:
         with unpatched("os", "subprocess", "signal"), torch._inductor.config.patch(compile_threads=1):
             static.warm_up()
     except Exception as error:  # anything torch.compile refuses leaves the model as it was
+        if ours:
+            use_gqa_attention(model)  # its eager forwards row-invariant again
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         logger.warning("%s cannot be compiled whole (%s); it stays eager", type(model).__name__, reason,
                        exc_info=logger.isEnabledFor(logging.DEBUG))

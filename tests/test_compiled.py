@@ -256,3 +256,20 @@ def test_compiled_logprobs_are_the_targets_on_every_drafter_and_rule(greedy_pair
         assert result.token_ids == reference.token_ids
         assert [t.logprob for t in result.logprobs] == pytest.approx([t.logprob for t in reference.logprobs],
                                                                       abs=1e-5)
+
+
+def test_a_model_that_cannot_be_compiled_keeps_its_eager_kernels(monkeypatch):
+    """compile_model gives the library's attention to a model it compiles; one it cannot compile keeps ours (the
+    row-invariant one that makes greedy speculative output target-only's bitwise)."""
+    from specdec.compiled import StaticDecoding
+    from specdec.cpu.attention import GQA_ATTENTION, use_gqa_attention
+
+    model = make_model("qwen2", seed=3, vocab_size=VOCAB, layers=1, hidden=16)
+    assert use_gqa_attention(model)
+
+    def refuse(self):
+        raise RuntimeError("not compilable here")
+
+    monkeypatch.setattr(StaticDecoding, "warm_up", refuse)
+    assert not compile_model(model, CPU)
+    assert model.config._attn_implementation == GQA_ATTENTION and not hasattr(model, "specdec_static")

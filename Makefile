@@ -9,7 +9,7 @@ LINT_VENV := .venv-lint
 LINT_INSTALLED := $(LINT_VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv models serve test unit bench stress eval lint lint-docker lint-deploy clean
+.PHONY: venv models serve test unit bench stress eval lint lint-docker lint-deploy clean gpu-shapes
 
 $(INSTALLED): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -77,3 +77,11 @@ eval: venv
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) .pytest_cache
+
+# What a lent GPU needs beside the tree (bench/gpu.py --shapes .gpu/shapes): the default pair's configs and
+# tokenizer, a few MB, since its weights are too large to travel
+gpu-shapes: models
+	for role in draft:qwen2.5-coder-0.5b-instruct target:qwen2.5-coder-1.5b-instruct; do \
+	  mkdir -p .gpu/shapes/$${role%%:*}; \
+	  cp $${SPECDEC_CACHE:-$$HOME/.cache/specdec}/$${role#*:}/*.json $${SPECDEC_CACHE:-$$HOME/.cache/specdec}/$${role#*:}/*.jinja .gpu/shapes/$${role%%:*}/; \
+	  rm -f .gpu/shapes/$${role%%:*}/specdec-complete.json; done

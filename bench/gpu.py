@@ -1,30 +1,46 @@
-"""Everything a lent GPU should measure, in one short run (no downloads).
+"""Everything a lent GPU should measure, in one short run (no downloads), stage by stage within a time budget.
 
-1. A ~7B Llama-shape target and a ~0.5B draft with random weights, in bfloat16: for gamma 1-8, the cost of one
-   target forward over gamma+1 new tokens relative to one token, the draft/target cost ratio c, and the engine's
-   per-round time outside model forwards; then target-only and Google tokens/s, eager against compiled
-   (specdec/compiled.py). Random weights make acceptance meaningless: no end-to-end speedup is claimed from them.
-2. The default pair from the cache (`make models`), or with --tiny the tests' tiny pair: eager against compiled,
-   in-process against the running service, and Hugging Face's generate and assisted generation (bench.overhead).
+The pair: the default pair from the cache (`make models`) where it is there; else, with --shapes DIR, the default
+pair's own configs and tokenizer (`make gpu-shapes` copies them, a few MB) with random weights, which run every
+forward at the real shapes but accept almost nothing; else (--tiny) the tests' tiny pair. Stages, most wanted first:
 
-    python -m bench.gpu                      # on a CUDA machine: writes bench/results/gpu.json and prints tables
-    python -m bench.gpu --tiny --device cpu  # a short smoke run of the same code on tiny shapes, on CPU
+1. forwards: one forward's ms by width (1 to 9 new tokens after 512 cached), draft and target, eager;
+2. eager: target-only and Google (gamma 4, greedy) tokens/s in-process, and ms per round outside the forwards;
+3. hf: Hugging Face `generate` and assisted generation on the same models;
+4. eager-service: the same two methods through the running service, JSON and SSE;
+5. compiled: the compiled static-cache path (specdec/compiled.py; CUDA graphs on CUDA): its compile seconds, and
+   target-only and Google in-process;
+6. random-7b: a ~7B Llama-shape target and a ~0.5B draft, random weights, bfloat16: verification cost by gamma,
+   and target-only / Google eager against compiled;
+7. compiled-service: the compiled path through the running service.
+
+Results go to --out after each stage, so a run cut short keeps what it measured. Random weights make acceptance
+meaningless, so for them the summary also projects Google's tokens/s from the measured forward costs and an
+acceptance length given with --acceptance-length (tokens per round; 4.0 is the default pair's on the CPU, greedy,
+gamma 4, bench/results/overhead/default), and says it is a projection.
+
+    python -m bench.gpu --shapes .gpu/shapes      # on a CUDA machine
+    python -m bench.gpu --tiny --device cpu --budget 300   # a smoke run of the same code on CPU
 """
 
 import argparse
 import json
+import shutil
+import statistics
 import tempfile
-from datetime import datetime, timezone
+import time
+import traceback
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from bench import overhead
-from bench.forwards import forward_ms
+from bench.forwards import forward_ms, forward_ms_by_width
 from bench.machine import machine_info
 from specdec import SpeculativeDecoder
-from specdec.compiled import compile_model
+from specdec.models.pair import load_pair
+from specdec.text import encode_prompt
 
 SHAPES = {  # name: (hidden, intermediate, layers, heads, kv_heads)
     "target-7b": (4096, 11008, 32, 32, 32),
@@ -32,6 +48,8 @@ SHAPES = {  # name: (hidden, intermediate, layers, heads, kv_heads)
     "tiny-target": (64, 128, 2, 4, 4),
     "tiny-draft": (32, 64, 1, 4, 4),
 }
+WIDTHS = [1, 2, 3, 5, 9]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 def build(shape: str, vocab: int, device: str, dtype: torch.dtype):
@@ -43,71 +61,185 @@ def build(shape: str, vocab: int, device: str, dtype: torch.dtype):
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            return LlamaForCausalLM(config).eval()
     finally:
         torch.set_default_dtype(previous)
-    return model.eval()
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (smoke test)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--tokens", type=int, default=64, help="tokens generated per engine run")
-    parser.add_argument("--pair-tokens", type=int, default=128, help="new tokens per request in part 2")
-    parser.add_argument("--no-pair", action="store_true", help="part 1 only")
-    parser.add_argument("--out", default="bench/results/gpu.json")
-    args = parser.parse_args(argv)
+def random_like(source: Path, out: Path, device: str, dtype: torch.dtype) -> str:
+    """A model folder with `source`'s config and tokenizer and random weights."""
+    config = AutoConfig.from_pretrained(source)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, out / name)
+    del model
+    return str(out)
 
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    vocab = 512 if args.tiny else 32000
-    target = build("tiny-target" if args.tiny else "target-7b", vocab, args.device, dtype)
-    draft = build("tiny-draft" if args.tiny else "draft-0.5b", vocab, args.device, dtype)
 
-    one_target = forward_ms(target, args.context, 1, args.device, args.repeats)
-    one_draft = forward_ms(draft, args.context, 1, args.device, args.repeats)
-    decoder = SpeculativeDecoder(draft, target)
-    prompt = torch.randint(0, vocab, (args.context,)).tolist()
-    rows = []
-    for gamma in range(1, 9):
-        verify = forward_ms(target, args.context, gamma + 1, args.device, args.repeats)
-        decoder.generate(prompt, max_new_tokens=8, gamma=gamma, temperature=0)  # warm-up
-        stats = decoder.generate(prompt, max_new_tokens=args.tokens, gamma=gamma, temperature=0).stats
-        rows.append({"gamma": gamma, "target_forward_ms": verify, "relative_to_one_token": verify / one_target,
-                     "outside_forward_share": stats["other_seconds"] / stats["total_seconds"],
-                     "engine_ms_per_round_outside_forwards": 1e3 * stats["other_seconds"] / stats["rounds"]})
-    paths = {"eager": random_pair_rates(decoder, prompt, args.tokens)}
-    compiled = [compile_model(model, torch.device(args.device)) for model in (draft, target)]
-    paths["compiled"] = random_pair_rates(SpeculativeDecoder(draft, target), prompt, args.tokens) \
+class Run:
+    """The run's settings, its clock, the pair it measures and the report it writes after each stage."""
+
+    def __init__(self, args, folder: Path):
+        self.args, self.folder, self.started = args, folder, time.monotonic()
+        self.device = args.device
+        self.dtype = torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        self.report = {"machine": machine_info(), "device": self.device, "budget_seconds": args.budget,
+                       "stages": {}, "skipped": []}
+        self.draft_dir = self.target_dir = None
+        self.pair_name = None
+
+    def left(self) -> float:
+        return self.args.budget - (time.monotonic() - self.started)
+
+    def save(self) -> None:
+        out = Path(self.args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(self.report, indent=2, default=str) + "\n", encoding="utf-8")
+
+    def options(self):
+        return argparse.Namespace(device=self.device, tokens=self.args.tokens, repeats=self.args.repeats,
+                                  no_service=False, threads=None, draft_quantization="none")
+
+    def pair(self):
+        if self.draft_dir is None:
+            self.draft_dir, self.target_dir, self.pair_name = locate_pair(self)
+            self.report["pair"] = self.pair_name
+        return self.draft_dir, self.target_dir
+
+
+def locate_pair(run: Run) -> tuple[str, str, str]:
+    if run.args.tiny:
+        return (*overhead.save_pair(run.folder), "tiny (the tests')")
+    from specdec.models.default_pair import DRAFT, TARGET, default_pair_paths, is_ready, model_dir
+
+    if all(is_ready(model_dir(source), source) for source in (DRAFT, TARGET)) and not run.args.shapes:
+        return (*default_pair_paths(prepare=False), "default (from the cache)")
+    if not run.args.shapes:
+        raise SystemExit("no default pair in the cache: pass --shapes DIR (make gpu-shapes) or --tiny")
+    shapes = Path(run.args.shapes)
+    started = time.perf_counter()
+    dirs = [random_like(shapes / name, run.folder / name, run.device, run.dtype) for name in ("draft", "target")]
+    run.report["random_pair_seconds"] = time.perf_counter() - started
+    return (*dirs, "the default pair's configs and tokenizer, random weights")
+
+
+def stage_forwards(run: Run) -> dict:
+    draft_dir, target_dir = run.pair()
+    draft, target, _ = load_pair(draft_dir, target_dir, device=run.device, compile=False,
+                                 draft_quantization="none")
+    rows = {name: forward_ms_by_width(model, run.args.context, WIDTHS, torch.device(run.device), run.args.repeats)
+            for name, model in (("draft", draft), ("target", target))}
+    return {"context": run.args.context, "ms_by_width": rows}
+
+
+def stage_compiled_forwards(run: Run) -> dict:
+    """Each model's forward by width on the compiled static-cache path, after its compile (seconds), printed as
+    it goes: the figure a short lease can still bring back."""
+    from specdec.compiled import compile_model
+
+    draft_dir, target_dir = run.pair()
+    draft, target, _ = load_pair(draft_dir, target_dir, device=run.device, compile=False,
+                                 draft_quantization="none")
+    rows = {}
+    for name, model in (("draft", draft), ("target", target)):
+        started = time.perf_counter()
+        if not compile_model(model, torch.device(run.device)):
+            rows[name] = {"compiled": False}
+            continue
+        rows[name] = {"compile_seconds": time.perf_counter() - started,
+                      "ms_by_width": static_forward_ms(model, run.args.context, WIDTHS, run.args.repeats)}
+        print(f"compiled {name}: {json.dumps(rows[name])}", flush=True)
+        run.report["stages"]["compiled-forwards"] = rows
+        run.save()
+    return {"context": run.args.context, **rows}
+
+
+def static_forward_ms(model, context: int, widths: list[int], repeats: int) -> dict[int, float]:
+    """Median ms of one forward over each width after `context` tokens, on the model's static cache."""
+    from specdec.compiled import StaticCachedModel
+
+    cached = StaticCachedModel(model.specdec_static)
+    context = min(context, model.specdec_static.max_len - max(widths))
+    cached.forward(torch.randint(0, model.config.vocab_size, (context,)).tolist())
+    times: dict[int, list[float]] = {n: [] for n in widths}
+    for _ in range(repeats + 2):
+        for n in widths:
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            start = time.perf_counter()
+            cached.forward(list(range(1, n + 1)), keep=n)
+            torch.cuda.synchronize() if torch.cuda.is_available() else None
+            times[n].append((time.perf_counter() - start) * 1e3)
+            cached.rollback(context)
+    return {n: statistics.median(ms[2:]) for n, ms in times.items()}
+
+
+def stage_in_process(run: Run, compiled: bool) -> dict:
+    draft_dir, target_dir = run.pair()
+    started = time.perf_counter()
+    draft, target, tokenizer = load_pair(draft_dir, target_dir, device=run.device, compile=compiled,
+                                         draft_quantization="none")
+    row = {"load_seconds": time.perf_counter() - started,
+           "compiled": [hasattr(m, "specdec_static") for m in (draft, target)]}
+    decoder = SpeculativeDecoder(draft, target, tokenizer)
+    ids = encode_prompt(tokenizer, overhead.PROMPT, False)
+    for method in overhead.METHODS:
+        row[method] = overhead.in_process(decoder, ids, method, run.args.tokens, run.args.repeats)
+    return row
+
+
+def stage_hf(run: Run) -> dict:
+    draft_dir, target_dir = run.pair()
+    from transformers import AutoTokenizer
+
+    ids = encode_prompt(AutoTokenizer.from_pretrained(target_dir), overhead.PROMPT, False)
+    return overhead.hugging_face(draft_dir, target_dir, ids, run.args.tokens, run.args.repeats, run.device)
+
+
+def stage_service(run: Run, compiled: bool) -> dict:
+    draft_dir, target_dir = run.pair()
+    started = time.perf_counter()
+    name = "compiled" if compiled else "eager"
+    server = overhead.Server(run.folder / f"{name}.log", draft_model=draft_dir, target_model=target_dir,
+                             device=run.device, compile=str(compiled).lower(), draft_quantization="none",
+                             max_new_tokens_limit=max(run.args.tokens, 1024))
+    try:
+        server.wait_ready(timeout=max(60, run.left() - 30))
+        rows = {"ready_seconds": time.perf_counter() - started}
+        for method in overhead.METHODS:
+            for stream in (False, True):
+                rows[f"{method}/{'sse' if stream else 'json'}"] = overhead.through_service(
+                    server, method, run.args.tokens, run.args.repeats, stream)
+        return rows
+    finally:
+        server.stop()
+        shutil.copy(server.log_path, Path(run.args.out).parent / f"gpu-{name}-service.log")
+
+
+def stage_random_7b(run: Run) -> dict:
+    vocab = 512 if run.args.tiny else 32000
+    target = build("tiny-target" if run.args.tiny else "target-7b", vocab, run.device, run.dtype)
+    draft = build("tiny-draft" if run.args.tiny else "draft-0.5b", vocab, run.device, run.dtype)
+    device = torch.device(run.device)
+    one_draft = forward_ms(draft, run.args.context, 1, device, run.args.repeats)
+    verify = forward_ms_by_width(target, run.args.context, list(range(1, 10)), device, run.args.repeats)
+    prompt = torch.randint(0, vocab, (run.args.context,)).tolist()
+    row = {"draft_one_token_ms": one_draft, "target_ms_by_width": verify,
+           "eager": random_pair_rates(SpeculativeDecoder(draft, target), prompt, run.args.tokens)}
+    from specdec.compiled import compile_model
+
+    started = time.perf_counter()
+    compiled = [compile_model(model, device) for model in (draft, target)]
+    row["compile_seconds"] = time.perf_counter() - started
+    row["compiled"] = random_pair_rates(SpeculativeDecoder(draft, target), prompt, run.args.tokens) \
         if all(compiled) else None
-    report = {"machine": machine_info(), "device": args.device, "dtype": str(dtype), "context": args.context,
-              "target_one_token_ms": one_target, "draft_one_token_ms": one_draft, "cost_ratio_c": one_draft / one_target,
-              "shapes": "tiny" if args.tiny else "7B target / 0.5B draft (random weights)", "by_gamma": rows,
-              "random_pair_tokens_per_second": paths}
-    del decoder, draft, target
-    if not args.no_pair:
-        report["pair"] = pair_report(args)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    print(f"{report['shapes']} on {report['machine'].get('cuda') or report['machine']['cpu']}, {dtype}, "
-          f"context {args.context}: target 1 token {one_target:.2f} ms, draft {one_draft:.2f} ms, "
-          f"c = {report['cost_ratio_c']:.3f}")
-    print("| gamma | target fwd over gamma+1 (ms) | vs 1 token | outside forwards (share of round) |")
-    print("|---|---|---|---|")
-    for row in rows:
-        print(f"| {row['gamma']} | {row['target_forward_ms']:.2f} | {row['relative_to_one_token']:.2f}x "
-              f"| {100 * row['outside_forward_share']:.1f}% |")
-    print(f"random pair, tokens/s: {json.dumps(paths)}")
-    if "pair" in report:
-        print(overhead.markdown(report["pair"]))
-    return 0
+    return row
 
 
 def random_pair_rates(decoder: SpeculativeDecoder, prompt: list[int], tokens: int) -> dict:
-    """Target-only and Google (gamma 4, greedy) tokens/s on the random pair, after a warm-up."""
+    """Target-only and Google (gamma 4, greedy) tokens/s on a random pair, after a warm-up."""
     rates = {}
     for method in ("target", "google"):
         params = dict(max_new_tokens=tokens, method=method, gamma=4, temperature=0, eos_token_id=[])
@@ -116,24 +248,77 @@ def random_pair_rates(decoder: SpeculativeDecoder, prompt: list[int], tokens: in
     return rates
 
 
-def pair_report(args) -> dict:
-    """bench.overhead on the default pair (the tiny pair with --tiny): eager and compiled, in-process and through
-    the service, beside Hugging Face's methods."""
-    options = argparse.Namespace(device=args.device, tokens=args.pair_tokens if not args.tiny else args.tokens,
-                                 repeats=max(1, min(args.repeats, 3)), no_service=False, threads=None,
-                                 draft_quantization="none" if args.tiny else "int8")
-    with tempfile.TemporaryDirectory() as scratch:
-        folder = Path(scratch)
-        if args.tiny:
-            draft_dir, target_dir = overhead.save_pair(folder)
-        else:
-            from specdec.models.default_pair import default_pair_paths
+# name: (function, seconds it needs at least to be worth starting)
+STAGES = {
+    "forwards": (stage_forwards, 30),
+    "eager": (lambda run: stage_in_process(run, False), 30),
+    "hf": (stage_hf, 30),
+    "eager-service": (lambda run: stage_service(run, False), 60),
+    "compiled-forwards": (stage_compiled_forwards, 60),
+    "compiled": (lambda run: stage_in_process(run, True), 90),
+    "random-7b": (stage_random_7b, 90),
+    "compiled-service": (lambda run: stage_service(run, True), 120),
+}
 
-            draft_dir, target_dir = default_pair_paths(prepare=False)
-        results = overhead.measure(options, draft_dir, target_dir, folder)
-    return {"command": "python -m bench.gpu (part 2)", "machine": machine_info(),
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "pair": "tiny" if args.tiny else "default", "tokens": options.tokens, "results": results}
+
+def projection(report: dict, acceptance_length: float, gamma: int = 4) -> dict | None:
+    """Google's tokens/s from the measured eager forwards, at a given acceptance length: each round costs gamma
+    draft steps and one target forward over gamma+1 tokens; engine time outside the forwards is left out."""
+    forwards = report["stages"].get("forwards", {}).get("ms_by_width")
+    if not forwards or str(gamma + 1) not in {str(k) for k in forwards["target"]}:
+        return None
+    draft, target = ({int(k): v for k, v in forwards[name].items()} for name in ("draft", "target"))
+    round_ms = gamma * draft[1] + target[gamma + 1]
+    return {"acceptance_length": acceptance_length, "gamma": gamma, "round_ms": round_ms,
+            "google_tokens_per_second": 1e3 * acceptance_length / round_ms,
+            "target_only_tokens_per_second": 1e3 / target[1]}
+
+
+def summary(report: dict) -> str:
+    lines = [f"GPU run on {report['machine'].get('cuda') or report['machine']['cpu']} ({report['device']}), "
+             f"pair: {report.get('pair')}; skipped: {report['skipped'] or 'none'}"]
+    for name, row in report["stages"].items():
+        lines.append(f"## {name}\n{json.dumps(row, indent=1, default=str)}")
+    if report.get("projection"):
+        lines.append(f"## projection (not a measurement)\n{json.dumps(report['projection'], indent=1)}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="the tests' tiny pair and tiny random shapes")
+    parser.add_argument("--shapes", default=None, help="draft/ and target/ folders: configs and tokenizer")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=128, help="new tokens per request")
+    parser.add_argument("--budget", type=float, default=520, help="seconds: a stage that would not fit is skipped")
+    parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated, in the order to run")
+    parser.add_argument("--acceptance-length", type=float, default=4.0)
+    parser.add_argument("--out", default="bench/results/gpu.json")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as scratch:
+        run = Run(args, Path(scratch))
+        for name in args.stages.split(","):
+            function, needs = STAGES[name]
+            if run.left() < needs:
+                run.report["skipped"].append(name)
+                continue
+            started = time.perf_counter()
+            try:
+                row = function(run)
+            except Exception as error:  # a stage that fails is reported; the next one still runs
+                row = {"error": f"{type(error).__name__}: {error}"[:2000],
+                       "traceback": traceback.format_exc()[-4000:]}
+            row["stage_seconds"] = time.perf_counter() - started
+            run.report["stages"][name] = row
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            run.save()
+        run.report["projection"] = projection(run.report, args.acceptance_length)
+        run.save()
+    print(summary(run.report))
+    return 0
 
 
 if __name__ == "__main__":

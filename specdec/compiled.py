@@ -20,7 +20,7 @@ from transformers import StaticCache
 
 from .errors import SpecDecError
 from .kv_cache import CachedModel, context_length, input_device
-from .threads import unpatched
+from .threads import gevent_patched, unpatched
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,9 @@ class StaticDecoding:
         ids = torch.zeros(1, MAX_WIDTH + 1, dtype=torch.long, device=device)
         owner = object()
         self.claim(owner)
+        with torch.no_grad():  # the cache's tensors are made here, outside inference mode: CUDA graphs update them
+            self.model(input_ids=ids[:, :1], cache=self.cache, use_cache=True)  # outside it too
         with torch.inference_mode():
-            self.model(input_ids=ids[:, :1], cache=self.cache, use_cache=True)
             for width in range(1, MAX_WIDTH + 1):
                 self.forward(owner, ids[:, :width])
                 self.cache.crop(-width)
@@ -155,8 +156,9 @@ def compile_model(model, device: torch.device) -> bool:
     limit = context_length(model) or STATIC_CACHE_TOKENS
     static = StaticDecoding(model, min(limit, STATIC_CACHE_TOKENS), cuda_graphs=torch.device(device).type == "cuda")
     try:
-        # the compiler runs as a child process, one at a time (a pool's threads would be greenlets under gevent)
-        with unpatched("os", "subprocess", "signal"), torch._inductor.config.patch(compile_threads=1):
+        # under gevent the compiler runs as a child process, one at a time (a pool's threads would be greenlets)
+        threads = {"compile_threads": 1} if gevent_patched() else {}
+        with unpatched("os", "subprocess", "signal"), torch._inductor.config.patch(**threads):
             static.warm_up()
     except Exception as error:  # anything torch.compile refuses leaves the model as it was
         if ours:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import benchmark
+from bench import benchmark, gpu
 from bench.forwards import forward_ms_by_width, verification_cost
 from bench.methods import (
     HF_METHODS,
@@ -436,19 +436,46 @@ def test_bound_interpolates_between_integer_gammas():
 
 def test_gpu_script_smoke_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
-    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--tiny", "--device", "cpu",
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--tiny", "--device", "cpu", "--budget", "900",
                            "--context", "16", "--repeats", "1", "--tokens", "8", "--out", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     report = json.loads(out.read_text())
-    assert [row["gamma"] for row in report["by_gamma"]] == list(range(1, 9))
-    assert report["cost_ratio_c"] > 0
-    assert all(rate > 0 for path in ("eager", "compiled") for rate in report["random_pair_tokens_per_second"][path].values())
-    rows = report["pair"]["results"]  # part 2 on the tiny pair: both paths, in-process and through the service
+    stages = report["stages"]
+    assert report["skipped"] == [] and list(stages) == list(gpu.STAGES)
+    assert not [name for name, row in stages.items() if "error" in row], stages
+    assert set(stages["forwards"]["ms_by_width"]["target"]) == {str(n) for n in gpu.WIDTHS}
+    for model in ("draft", "target"):  # the compiled path's forwards, after a compile that took time
+        assert stages["compiled-forwards"][model]["compile_seconds"] > 0
+        assert all(ms > 0 for ms in stages["compiled-forwards"][model]["ms_by_width"].values())
+    assert stages["compiled"]["compiled"] == [True, True]
     for path in ("eager", "compiled"):
-        for where in ("in-process", "service-json", "service-sse"):
-            assert rows[f"{path}/google/{where}"]["tokens_per_second"] > 0
-    assert rows["hf_generate"]["tokens_per_second"] > 0 and rows["hf_assisted"]["tokens_per_second"] > 0
+        assert stages[path]["google"]["tokens_per_second"] > 0
+        for key in ("target/json", "target/sse", "google/json", "google/sse"):
+            assert stages[f"{path}-service"][key]["tokens_per_second"] > 0
+    assert stages["hf"]["hf_generate"]["tokens_per_second"] > 0 and stages["hf"]["hf_assisted"]["tokens_per_second"] > 0
+    assert all(rate > 0 for path in ("eager", "compiled") for rate in stages["random-7b"][path].values())
+    assert report["projection"]["google_tokens_per_second"] > 0
+
+
+def test_gpu_script_builds_a_random_pair_from_shapes(tmp_path, tiny_pair_dirs):
+    """--shapes: a pair with the given configs and tokenizer and random weights (what a lent GPU measures when
+    the default pair's weights cannot travel); a stage past the budget is skipped, not started."""
+    shapes = tmp_path / "shapes"
+    for name, folder in zip(("draft", "target"), tiny_pair_dirs):
+        (shapes / name).mkdir(parents=True)
+        for file in Path(folder).iterdir():
+            if not file.name.endswith(".safetensors"):
+                (shapes / name / file.name).write_bytes(file.read_bytes())
+    out = tmp_path / "gpu.json"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu", "--shapes", str(shapes), "--device", "cpu",
+                           "--stages", "forwards,eager,compiled-service", "--budget", "100", "--context", "16",
+                           "--repeats", "1", "--tokens", "8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["pair"].endswith("random weights") and report["skipped"] == ["compiled-service"]
+    assert report["stages"]["eager"]["target"]["tokens_per_second"] > 0
 
 
 def test_interference_script_smoke_on_tiny_pair(tiny_pair_dirs, tmp_path):

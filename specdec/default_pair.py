@@ -11,7 +11,7 @@ import sys
 
 from .errors import SpecDecError
 from .models import default_pair
-from .models.cache import int8_form_path
+from .models.cache import int8_form_path, shipped_form_path
 
 
 def main(argv=None) -> int:
@@ -42,6 +42,16 @@ def main(argv=None) -> int:
                     kept = keep_int8_draft(ModelSource(str(folder)))
                     if kept:
                         print(f"draft: its int8 form kept in {kept}")
+                if args.quick and shipped_form_path(folder).is_file():
+                    print(f"{source.role}: its GGUF weights are packed in {shipped_form_path(folder)} (checked when "
+                          f"loaded)")
+                else:
+                    from .models.shipped import keep_shipped
+                    from .models.sources import ModelSource
+
+                    kept = keep_shipped(ModelSource(str(folder)))
+                    if kept:
+                        print(f"{source.role}: its GGUF weights packed in {kept}")
             elif not default_pair.is_ready(folder, source):
                 print(f"{source.role}: {folder} not prepared")
             else:

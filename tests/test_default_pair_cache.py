@@ -131,15 +131,17 @@ def test_quick_prepare_trusts_a_whole_int8_form_to_loading_and_builds_a_missing_
         monkeypatch, tmp_path, capsys):
     import struct
 
-    from specdec.models import load
+    from specdec.models import load, shipped
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(default_pair, "prepare_model", lambda source, force=False: default_pair.model_dir(source))
-    built = []
+    built, packed = [], []
     monkeypatch.setattr(load, "keep_int8_draft", lambda source: built.append(source.path) or "kept")
+    monkeypatch.setattr(shipped, "keep_shipped", lambda source: packed.append(source.path) or "kept")
     form = cache.int8_form_path(default_pair.model_dir(default_pair.DRAFT))
 
     assert command.main(["prepare", "--quick"]) == 0 and len(built) == 1  # no form yet: built
+    assert len(packed) == 2  # no packed GGUF weights yet, for either model: packed
     header = json.dumps({"w": {"dtype": "I8", "shape": [2, 2], "data_offsets": [0, 4]}}).encode()
     form.parent.mkdir(parents=True)
     form.write_bytes(struct.pack("<Q", len(header)) + header + b"\x01\x02\x03")  # one byte short
@@ -162,12 +164,14 @@ def test_the_quick_prepare_imports_no_torch(tmp_path):
         import json, struct, sys
         from specdec import default_pair as command
         from specdec.models import default_pair
-        from specdec.models.cache import int8_form_path
+        from specdec.models.cache import int8_form_path, shipped_form_path
         default_pair.prepare_model = lambda source, force=False: default_pair.model_dir(source)  # as if converted
         form = int8_form_path(default_pair.model_dir(default_pair.DRAFT))
         form.parent.mkdir(parents=True)
         header = json.dumps({"w": {"dtype": "I8", "shape": [4], "data_offsets": [0, 4]}}).encode()
         form.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+        for source in (default_pair.DRAFT, default_pair.TARGET):  # the packed GGUF weights are there too
+            shipped_form_path(default_pair.model_dir(source)).write_bytes(form.read_bytes())
         assert command.main(["prepare", "--quick"]) == 0
         print(sorted(name for name in ("torch", "transformers") if name in sys.modules))
     """)

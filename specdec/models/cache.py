@@ -17,3 +17,8 @@ def in_cache(folder) -> bool:
 def int8_form_path(folder: Path) -> Path:
     """Where the int8 form of the draft converted in `folder` is kept (`quantization.int8_draft_form`'s file)."""
     return cache_root() / "ready" / f"{Path(folder).name}.int8.safetensors"
+
+
+def shipped_form_path(folder: Path) -> Path:
+    """Where the packed GGUF weights of the model converted in `folder` are kept (`shipped.shipped_form`'s file)."""
+    return cache_root() / "ready" / f"{Path(folder).name}.shipped.safetensors"

@@ -14,6 +14,7 @@ from .kernels import apply_cpu_kernels, layer_kinds
 from .load import load_draft, load_model, read_soon
 from .memory import release_free_memory
 from .quantization import resolve_draft_quantization
+from .shipped import gguf_origin, kept_form_current, load_shipped, resolve_weights, use_shipped_weights
 from .sources import resolve_device, resolve_dtype, resolve_source
 from .startup import startup_step
 from .tokenizers import load_and_check_tokenizers
@@ -21,7 +22,7 @@ from .tokenizers import load_and_check_tokenizers
 
 def load_pair(draft: str | None = None, target: str | None = None, device: str = "auto", dtype: str = "auto",
               device_map=None, trust_remote_code: bool = False, cpu_kernels: bool = True,
-              draft_quantization: str | None = "int8", compile: str | bool = "auto"):
+              draft_quantization: str | None = "int8", compile: str | bool = "auto", weights: str = "shipped"):
     """(draft_model, target_model, tokenizer) ready for SpeculativeDecoder; None or "default" is the default pair.
 
     `device_map` (e.g. "auto") spreads the target over several GPUs with accelerate; the draft stays on `device`.
@@ -40,6 +41,12 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     KV cache preallocated, and its forwards of up to `compiled.MAX_WIDTH` tokens compiled with torch.compile, every
     width before this returns. "auto" is on for CUDA and off on CPU (`compiled.resolve_compile`).
 
+    `weights`: "shipped" (default) or "float". "shipped": a CPU model that comes from a GGUF file (the default
+    pair, or a .gguf path) serves its linear layers in the GGUF's own low-bit forms, computed by a few-rows kernel
+    (specdec.cpu.grouped; specdec.models.shipped): the same weights, about a fifth of the bytes per token. Such a
+    draft is then not quantized again (draft_quantization does not apply to it). "float": every layer in float, as
+    dequantized when the GGUF was converted. Other models are loaded as they are either way.
+
     Each step logs one line with its seconds ("start-up: ...").
     """
     from ..engine import check_vocabularies
@@ -49,27 +56,41 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
         device = resolve_device(device)
         compiled = resolve_compile(compile, device)
         dtype = resolve_dtype(dtype, device)
+        weights = resolve_weights(weights)
         target_source = resolve_source(target, "target")
         draft_source = resolve_source(draft, "draft")
+        shipped = weights == "shipped" and device.type == "cpu" and device_map is None
+        if shipped and gguf_origin(draft_source) is not None:
+            draft_quantization = "none"  # its own low-bit weights instead
 
     # the target's weights start coming in at once, beside the tokenizers and the draft: reading waits on the disk
     # and on fresh memory, the others on one core; a pair that fails its checks drops them
+    # a default-pair model whose GGUF weights are kept packed is read from them, and never its float linears
+    kept = {role: shipped and cpu_kernels and kept_form_current(source)
+            for role, source in (("draft", draft_source), ("target", target_source))}
     pending = read_soon(target_source, dtype, trust_remote_code) \
-        if cpu_kernels and device.type == "cpu" and device_map is None else None
+        if cpu_kernels and device.type == "cpu" and device_map is None and not kept["target"] else None
     try:
         tokenizer = load_and_check_tokenizers(draft_source, target_source, trust_remote_code)
-        draft_model = load_draft(draft_source, device, dtype, draft_quantization, trust_remote_code, cpu_kernels)
+        draft_model = kept["draft"] and load_shipped(draft_source, "draft", dtype, trust_remote_code) \
+            or load_draft(draft_source, device, dtype, draft_quantization, trust_remote_code, cpu_kernels)
     except BaseException:
         if pending is not None:
             pending.drop()
         raise
-    target_model = load_model(target_source, "target", device, dtype, device_map, trust_remote_code, cpu_kernels,
-                              pending)
+    target_model = kept["target"] and load_shipped(target_source, "target", dtype, trust_remote_code) \
+        or load_model(target_source, "target", device, dtype, device_map, trust_remote_code, cpu_kernels, pending)
     check_vocabularies(draft_model, target_model, tokenizer)
     vocab_size = target_model.config.get_text_config(decoder=True).vocab_size
     if len(tokenizer) > vocab_size:
         raise SpecDecError(f"the tokenizer has {len(tokenizer)} tokens but the models only {vocab_size} logits",
                            field="target_model")
+    if shipped and (gguf_origin(draft_source) or gguf_origin(target_source)):
+        with startup_step("the GGUF's own weights") as note:
+            counts = [use_shipped_weights(model, source)
+                      for model, source in ((draft_model, draft_source), (target_model, target_source))]
+            release_free_memory()
+            note["detail"] = f"draft: {counts[0]} layers; target: {counts[1]} layers"
     with startup_step("CPU kernels for the pair") as note:
         apply_cpu_kernels(draft_model, target_model, draft_quantization, cpu_kernels)
         release_free_memory()

@@ -50,13 +50,14 @@ def _read_into(fd: int, tensor: torch.Tensor, offset: int) -> memoryview:
 
 
 def read_safetensors(path, dtype: torch.dtype | None = None, digests: dict[str, str] | None = None,
-                     threads: int = READ_THREADS, cancel: threading.Event | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file, in the process's own memory (floating-point ones cast to `dtype` if
-    given, one tensor at a time). With `digests` (name: sha256 hex), each tensor is hashed as it is read and a
+                     threads: int = READ_THREADS, cancel: threading.Event | None = None,
+                     skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file but those named in `skip`, in the process's own memory (floating-point
+    ones cast to `dtype` if given, one tensor at a time). With `digests` (name: sha256 hex), each tensor is hashed as it is read and a
     mismatch, or a tensor without a digest, is a WeightsError. Setting `cancel` stops the reading (WeightsError)."""
     path = Path(path)
     header, data_start = read_header(path)
-    entries = sorted(((name, entry) for name, entry in header.items() if name != "__metadata__"),
+    entries = sorted(((name, entry) for name, entry in header.items() if name != "__metadata__" and name not in skip),
                      key=lambda item: item[1]["data_offsets"][0])
     for name, entry in entries:
         if entry["dtype"] not in SAFETENSORS_DTYPES:

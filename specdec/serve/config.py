@@ -40,6 +40,7 @@ class Settings(BaseModel):
     dtype: Literal["auto", "float32", "float16", "bfloat16"]
     draft_quantization: Literal["int8", "none"]
     compile: Literal["auto", "true", "false"]
+    weights: Literal["shipped", "float"]
     method: Literal[SERVED_METHODS]
     drafter: Literal[DRAFTERS]
     verification: Literal[VERIFICATIONS]
@@ -80,7 +81,8 @@ class Settings(BaseModel):
             return None
         return value
 
-    @field_validator("log_level", "dtype", "draft_quantization", "drafter", "verification", "compile", mode="before")
+    @field_validator("log_level", "dtype", "draft_quantization", "drafter", "verification", "compile", "weights",
+                     mode="before")
     @classmethod
     def _lower(cls, value):
         if isinstance(value, bool):  # compile = true in a TOML file

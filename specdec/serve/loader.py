@@ -105,7 +105,8 @@ def load_configured_pair(settings: Settings):
     from ..models.pair import load_pair  # the model-loading stack is imported only when a pair is loaded
 
     return load_pair(draft=settings.draft_model, target=settings.target_model, device=settings.device,
-                     dtype=settings.dtype, draft_quantization=settings.draft_quantization, compile=settings.compile)
+                     dtype=settings.dtype, draft_quantization=settings.draft_quantization, compile=settings.compile,
+                     weights=settings.weights)
 
 
 def _gigabytes(count: int | None) -> str:

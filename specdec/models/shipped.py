@@ -1,0 +1,245 @@
+"""Weights as shipped: a model that comes from a GGUF file serves its linear layers in the GGUF's own low-bit
+forms (specdec.cpu.grouped), not dequantized to float: about a fifth of the bytes per token.
+
+    weights = resolve_weights("shipped")       # "shipped" | "float"
+    count = use_shipped_weights(model, source) # in place; 0 where the model has no GGUF origin or runs elsewhere
+
+The default pair's packed layers are kept in the cache as a ready form (keyed, hashed, checked, rebuilt when
+stale), like the int8 draft; a GGUF file given by path is packed from the file at each start. Layers whose GGUF
+type has no grouped form (float ones: norms, biases) stay as loaded; so does the token embedding (a lookup reads
+one row per token, not the matrix).
+"""
+
+import hashlib
+import inspect
+import logging
+import platform
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import SpecDecError
+from .cache import cache_root, in_cache, shipped_form_path
+from .checkpoint import fingerprint
+from .sources import ModelSource
+from .weights import ReadyForm
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_CHOICES = ("shipped", "float")
+READY_FORMAT = 1
+
+
+def resolve_weights(value) -> str:
+    """"shipped" or "float" (None is "shipped")."""
+    name = "shipped" if value is None else str(value).strip().lower()
+    if name not in WEIGHTS_CHOICES:
+        raise SpecDecError(f"weights must be shipped or float, got {value!r}", field="weights")
+    return name
+
+
+def gguf_origin(source: ModelSource):
+    """What a model's GGUF is: a path (a GGUF file given by path), the default pair's GGUFSource (a folder the
+    cache converted from one), or None (a float checkpoint)."""
+    if source.gguf_file:
+        return Path(source.path) / source.gguf_file
+    if not source.local or not in_cache(source.path):
+        return None
+    from .default_pair import DRAFT, TARGET, model_dir
+
+    folder = Path(source.path).resolve()
+    return next((s for s in (TARGET, DRAFT) if model_dir(s).resolve() == folder), None)
+
+
+def linear_names(model: nn.Module) -> dict[str, str]:
+    """Each linear layer's module name and its GGUF tensor's name, by gguf's own name map."""
+    import gguf
+
+    config = model.config.get_text_config(decoder=True)
+    arch = next((a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == config.model_type), None)
+    if arch is None:
+        return {}
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    out = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, nn.Linear) or hasattr(module, "in_features") and hasattr(module, "out_features"):
+            mapped = names.get_name(module_name)
+            if mapped is not None:
+                out[module_name] = mapped + ".weight"
+    return out
+
+
+def pack_from_gguf(path: Path, names: dict[str, str]) -> dict[str, dict[str, torch.Tensor]]:
+    """module name: the grouped tensors of its GGUF weight, for every layer whose type has a grouped form."""
+    import gguf
+
+    from ..cpu.grouped import SHIPPED_TYPES, pack
+
+    reader = gguf.GGUFReader(path)
+    tensors = {t.name: t for t in reader.tensors}
+    packed = {}
+    for module_name, tensor_name in names.items():
+        tensor = tensors.get(tensor_name)
+        if tensor is not None and tensor.tensor_type.name in SHIPPED_TYPES:
+            grouped = pack(tensor.data, tensor.tensor_type.name)
+            packed[module_name] = {**grouped.tensors(), "group": torch.tensor(grouped.group)}
+    return packed
+
+
+def _code() -> str:
+    from ..cpu import grouped
+
+    functions = (grouped.pack, pack_from_gguf, linear_names)
+    return hashlib.sha256("".join(inspect.getsource(f) for f in functions).encode()).hexdigest()[:16]
+
+
+def shipped_form(source: ModelSource) -> ReadyForm | None:
+    """Where the default pair's packed layers are kept, keyed by what they depend on."""
+    import gguf
+
+    folder = Path(source.path).resolve()
+    key = {"form": "shipped", "format": READY_FORMAT, "gguf": getattr(gguf, "__version__", "?"),
+           "code": _code(), "source": fingerprint(folder), "machine": platform.machine()}
+    return ReadyForm(shipped_form_path(folder), key)
+
+
+def _flatten(packed: dict) -> dict[str, torch.Tensor]:
+    return {f"{module}/{name}": tensor for module, tensors in packed.items() for name, tensor in tensors.items()}
+
+
+def _unflatten(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    packed: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        module, name = key.rsplit("/", 1)
+        packed.setdefault(module, {})[name] = tensor
+    return packed
+
+
+def packed_layers(model: nn.Module, source: ModelSource) -> dict[str, dict[str, torch.Tensor]]:
+    """The grouped tensors of `model`'s linear layers, from the ready form or packed from the GGUF."""
+    origin = gguf_origin(source)
+    names = linear_names(model)
+    if origin is None or not names:
+        return {}
+    if isinstance(origin, Path):
+        return pack_from_gguf(origin, names)
+    form = shipped_form(source)
+    if form.looks_current():
+        from .checkpoint import read_header
+
+        header, _ = read_header(form.path)
+        expected = {name: (tuple(entry["shape"]), _dtype(entry["dtype"]))
+                    for name, entry in header.items() if name != "__metadata__"}
+        tensors = form.load(expected)
+        if tensors is not None:
+            return _unflatten(tensors)
+    from .default_pair import join_parts
+
+    with tempfile.TemporaryDirectory(dir=cache_root()) as scratch:
+        joined = Path(scratch) / origin.filename
+        join_parts(origin, joined)
+        packed = pack_from_gguf(joined, names)
+    form.save(_flatten(packed))
+    return packed
+
+
+def _dtype(name: str) -> torch.dtype:
+    from .weights import SAFETENSORS_DTYPES
+
+    return SAFETENSORS_DTYPES[name]
+
+
+def keep_shipped(source: ModelSource) -> str | None:
+    """Where a default-pair model's packed GGUF weights are kept, packed first unless a current form is there
+    (`make models` runs this, so that the first start does not pack); None for other models."""
+    from .load import _causal_lm_class, _skeleton
+
+    origin = gguf_origin(source)
+    if origin is None or isinstance(origin, Path):
+        return None
+    form = shipped_form(source)
+    if not form.looks_current():
+        config, model_class = _causal_lm_class(source, False)
+        if model_class is None:
+            return None
+        packed_layers(_skeleton(config, torch.float32), source)
+    return str(form.path)
+
+
+def kept_form_current(source: ModelSource) -> bool:
+    """Whether `source` is a default-pair model whose packed layers are kept and current (cheap: no tensor read)."""
+    origin = gguf_origin(source)
+    return origin is not None and not isinstance(origin, Path) and shipped_form(source).looks_current()
+
+
+def load_shipped(source: ModelSource, role: str, dtype: torch.dtype, trust_remote_code: bool = False):
+    """A default-pair model from its kept packed layers and, of its float checkpoint, only the other tensors
+    (embedding, norms, biases): the float weights of its linear layers are never read. None where the kept form
+    turns out unusable (the caller then loads the float model and packs it again)."""
+    from ..cpu.grouped import grouped_kernel
+    from .checkpoint import checkpoint_files, read_header
+    from .load import _causal_lm_class, _finish, _skeleton
+    from .startup import startup_step
+    from .weights import read_safetensors
+
+    config, model_class = _causal_lm_class(source, trust_remote_code)
+    if model_class is None or not grouped_kernel():
+        return None
+    form = shipped_form(source)
+    with startup_step(f"read the {role}'s GGUF weights, kept") as note:
+        header, _ = read_header(form.path)
+        expected = {name: (tuple(entry["shape"]), _dtype(entry["dtype"]))
+                    for name, entry in header.items() if name != "__metadata__"}
+        tensors = form.load(expected)
+        note["detail"] = "unusable: packing them again" if tensors is None else f"verified, from {form.path}"
+    if tensors is None:
+        return None
+    packed = _unflatten(tensors)
+    with startup_step(f"read the {role}'s other weights") as note:
+        state = {}
+        for path in checkpoint_files(source.path):
+            state.update(read_safetensors(path, dtype=dtype, skip=frozenset(f"{m}.weight" for m in packed)))
+        note["detail"] = f"{len(state)} tensors"
+    model = _skeleton(config, dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    del state
+    _swap(model, packed)
+    missing = [name for name, param in model.named_parameters() if param.device.type == "meta"]
+    if missing:
+        logger.warning("the kept GGUF weights of %s leave %s unloaded; packing them again", source, missing[0])
+        return None
+    return _finish(model, source)
+
+
+def _swap(model: nn.Module, packed: dict[str, dict[str, torch.Tensor]]) -> None:
+    from ..cpu.grouped import Grouped, GroupedLinear
+
+    for module_name, tensors in packed.items():
+        parent_name, _, child = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        layer = getattr(parent, child)
+        tensors = dict(tensors)
+        grouped = Grouped.from_tensors(tensors, int(tensors.pop("group")))
+        if grouped.shape != (layer.out_features, layer.in_features):
+            raise SpecDecError(f"the GGUF weight of {module_name} has shape {grouped.shape}, the model's layer "
+                               f"{(layer.out_features, layer.in_features)}")
+        setattr(parent, child, GroupedLinear(grouped, layer.bias))
+
+
+def use_shipped_weights(model: nn.Module, source: ModelSource) -> int:
+    """Swap `model`'s linear layers for grouped ones packed from its GGUF, in place (CPU models only). Returns how
+    many; a layer's bias moves with it, its float weight is dropped."""
+    from ..cpu.grouped import GroupedLinear, grouped_kernel
+
+    if any(isinstance(m, GroupedLinear) for m in model.modules()):
+        return 0  # loaded so already (load_shipped)
+    param = next(model.parameters())
+    if param.device.type != "cpu" or not grouped_kernel():
+        return 0
+    packed = packed_layers(model, source)
+    _swap(model, packed)
+    if packed:
+        logger.debug("%d linear layers of %s use the GGUF's own weights", len(packed), type(model).__name__)
+    return len(packed)

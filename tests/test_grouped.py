@@ -1,0 +1,197 @@
+"""Weights as GGUF ships them (specdec/cpu/grouped.py): every shipped type packs to values whose dequantization is
+bitwise gguf's own, the few-rows kernel computes the layer within float tolerance and gives a row the same bits
+whatever rows come with it, and a pair whose linear layers are all grouped keeps the target's distribution
+(chi-square, every drafter and both rules, with a wrong rule that fails) and greedy speculative output equal to
+greedy target-only output."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from specdec import SpecDecError, SpeculativeDecoder
+from specdec.cpu.grouped import EIGHT_BIT, SHIPPED_TYPES, Grouped, GroupedLinear, dequantize, grouped_kernel, pack
+from specdec.models.kernels import use_cpu_kernels
+from specdec.models.shipped import gguf_origin, linear_names, resolve_weights
+from specdec.models.sources import ModelSource
+from tests.support.models import make_model, perturbed_copy
+from tests.test_exactness import DRAFTER_SAMPLES, SETTINGS, VOCAB, draw, exact_distribution, goodness_of_fit, plain_p
+
+pytestmark = pytest.mark.skipif(not grouped_kernel(), reason="the grouped kernel cannot be built here")
+
+
+def gguf_blocks(qtype: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of a GGUF type, [rows, bytes per row]: any bytes are valid quants; the fp16 scales are set to
+    finite values of either sign (as real files have)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows * k // size, type_size), dtype=np.uint8)
+    scales = {"Q4_K": [0, 2], "Q6_K": [208], "Q5_0": [0], "Q8_0": [0]}[qtype]
+    for at in scales:
+        blocks[:, at:at + 2] = rng.normal(0, 0.01, (len(blocks), 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", SHIPPED_TYPES)
+def test_packed_weights_dequantize_bitwise_as_gguf_does(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    data = gguf_blocks(qtype, 24, 512)
+    grouped = pack(data, qtype)
+    expected = gguf_dequantize(data, GGMLQuantizationType[qtype])
+    assert grouped.shape == expected.shape == (24, 512)
+    assert grouped.bits == (4 if qtype == "Q4_K" else 8) and grouped.group == EIGHT_BIT.get(qtype, 32)
+    assert np.array_equal(dequantize(grouped).numpy().view(np.uint32), expected.view(np.uint32))
+
+
+def test_a_type_without_a_grouped_form_is_refused():
+    with pytest.raises(ValueError, match="no grouped form"):
+        pack(gguf_blocks("Q8_0", 2, 64), "Q4_0")
+
+
+@pytest.mark.parametrize("qtype", SHIPPED_TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
+def test_the_kernel_computes_the_layer_and_each_row_alone_gives_the_same_bits(qtype, rows):
+    grouped = pack(gguf_blocks(qtype, 37, 512, seed=rows), qtype)  # 37 outputs: blocks of 4 or 2, and a tail
+    bias = torch.randn(37)
+    layer = GroupedLinear(grouped, bias)
+    x = torch.randn(rows, 512)
+    out = layer(x)
+    exact = x.double() @ dequantize(grouped).double().T + bias.double()
+    assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
+    assert torch.equal(alone, out)
+
+
+def test_the_operator_refuses_a_bad_shape_with_a_message():
+    grouped = pack(gguf_blocks("Q4_K", 4, 256), "Q4_K")
+    with pytest.raises(RuntimeError, match="grouped_linear"):
+        torch.ops.specdec_grouped.grouped_linear(torch.randn(2, 128), grouped.q, grouped.scale, grouped.minimum, 4,
+                                                  32)
+
+
+# --- a pair on grouped weights: the engine's exactness -------------------------------------------------------------
+
+def group_linear(linear: nn.Linear) -> GroupedLinear:
+    """Quantize one layer in the test (4-bit groups of 32 with minimums where K allows, else 8-bit groups of 16),
+    in the kernel's layout: what a GGUF file would hold for it."""
+    w = linear.weight.detach().float()
+    n, k = w.shape
+    if k % 64 == 0:
+        groups = w.reshape(n, k // 32, 32)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp_min(1e-8)
+        v = ((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+        pairs = v.reshape(n, k // 64, 2, 32)
+        q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
+        grouped = Grouped(q.contiguous(), scale.contiguous(), (-low).contiguous(), 4, 32)
+    else:
+        groups = w.reshape(n, k // 16, 16)
+        scale = (groups.abs().amax(-1) / 127).clamp_min(1e-8)
+        v = (groups / scale.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+        grouped = Grouped(v.reshape(n, k).contiguous(), scale.contiguous(), None, 8, 16)
+    return GroupedLinear(grouped, linear.bias)
+
+
+def grouped_model(model):
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, group_linear(child))
+    use_cpu_kernels(model)  # grouped-head attention: row-invariant, like the layers
+    return model
+
+
+@pytest.fixture(scope="module")
+def grouped_pair():
+    """A one-layer Llama pair over 8 tokens, hidden 64 (4-bit layers) and close enough that drafts are often
+    accepted, every linear layer grouped."""
+    target = make_model("llama", seed=0, vocab_size=VOCAB, layers=1, hidden=64, initializer_range=0.3)
+    draft = perturbed_copy(target, noise=0.05)
+    return grouped_model(draft), grouped_model(target)
+
+
+@pytest.fixture(scope="module")
+def far_grouped_pair():
+    target = make_model("llama", seed=0, vocab_size=VOCAB, layers=1, hidden=64, initializer_range=0.3)
+    draft = make_model("llama", seed=1, vocab_size=VOCAB, layers=1, hidden=16, initializer_range=0.3)
+    return grouped_model(draft), grouped_model(target)
+
+
+RULES = [("model", "token", "google"), ("model", "block", "deepmind"), ("lookup", "token", "deepmind"),
+         ("lookup", "block", "google"), ("hybrid", "token", "google"), ("hybrid", "block", "deepmind")]
+HYBRID_PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
+
+
+def test_the_pair_is_grouped(grouped_pair):
+    draft, target = grouped_pair
+    assert not [m for model in grouped_pair for m in model.modules() if type(m) is nn.Linear]
+    assert {m.bits for m in target.modules() if isinstance(m, GroupedLinear)} == {4}
+    assert {m.bits for m in draft.modules() if isinstance(m, GroupedLinear)} == {4}
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("drafter, rule, variant", RULES)
+def test_grouped_samples_follow_target_distribution(grouped_pair, drafter, rule, variant):
+    draft, target = grouped_pair
+    prompt = HYBRID_PROMPT if drafter == "hybrid" else [1, 2, 3, 1, 2, 3, 1, 2]
+    expected = exact_distribution(target, *SETTINGS["t0.8-topk5-topp0.9"], prompt=prompt)
+    totals = {}
+    counts = draw(SpeculativeDecoder(draft, target), variant, SETTINGS["t0.8-topk5-topp0.9"], DRAFTER_SAMPLES,
+                  seed=31, prompt=prompt, totals=totals, drafter=drafter, verification=rule)
+    assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
+    proposed = {name for (kind, name), count in totals.items() if kind == "proposed_by_drafter" and count}
+    accepted = {name for (kind, name), count in totals.items() if kind == "accepted_by_drafter" and count}
+    # the hybrid's lookup proposes from the prompt's repeats, which this target's nucleus leaves out
+    assert proposed == ({"model", "lookup"} if drafter == "hybrid" else {drafter}) and accepted, totals
+
+
+@pytest.mark.statistical
+def test_a_wrong_rule_fails_on_grouped_weights(far_grouped_pair, monkeypatch):
+    draft, target = far_grouped_pair
+    counts = draw(SpeculativeDecoder(draft, target), "google", SETTINGS["t1"], 5_000, seed=37)
+    assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), 5_000) > 1e-3
+    monkeypatch.setattr("specdec.verification.residual_probs", plain_p)
+    counts = draw(SpeculativeDecoder(draft, target), "google", SETTINGS["t1"], 5_000, seed=37)
+    assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), 5_000) < 1e-6
+
+
+@pytest.mark.parametrize("drafter, rule, method", RULES + [("model", "token", "adaptive")])
+def test_grouped_greedy_speculative_equals_grouped_target_only(drafter, rule, method):
+    target = grouped_model(make_model("llama", seed=0, vocab_size=100, hidden=64, initializer_range=0.3))
+    draft = grouped_model(perturbed_copy(make_model("llama", seed=0, vocab_size=100, hidden=64,
+                                                    initializer_range=0.3), noise=0.05))
+    decoder = SpeculativeDecoder(draft, target)
+    prompt = [5, 17, 42, 8, 99, 3, 5, 17, 42, 8]
+    reference = decoder.generate(prompt, max_new_tokens=40, method="target", temperature=0,
+                                 eos_token_id=[]).token_ids
+    result = decoder.generate(prompt, max_new_tokens=40, method="google" if method == "adaptive" else method,
+                              gamma=None if method == "adaptive" else 4, temperature=0, drafter=drafter,
+                              verification=rule, eos_token_id=[])
+    assert result.token_ids == reference
+    assert result.stats.accepted > 0
+
+
+# --- loading: the choice, the origin, the names ----------------------------------------------------------------------
+
+def test_weights_choice_is_checked():
+    assert resolve_weights(None) == "shipped" and resolve_weights(" Float ") == "float"
+    with pytest.raises(SpecDecError, match="weights must be shipped or float") as raised:
+        resolve_weights("int3")
+    assert raised.value.field == "weights"
+
+
+def test_only_a_model_from_a_gguf_file_has_shipped_weights(tmp_path):
+    assert gguf_origin(ModelSource(str(tmp_path))) is None  # a float checkpoint outside the cache
+    assert gguf_origin(ModelSource("org/model", local=False)) is None
+    assert gguf_origin(ModelSource(str(tmp_path), "model.gguf")) == tmp_path / "model.gguf"
+
+
+def test_linear_layers_map_to_gguf_tensor_names():
+    names = linear_names(make_model("qwen2", layers=2))
+    assert names["model.layers.1.self_attn.q_proj"] == "blk.1.attn_q.weight"
+    assert names["model.layers.0.mlp.down_proj"] == "blk.0.ffn_down.weight"
+    assert names["lm_head"] == "output.weight" and len(names) == 2 * 7 + 1

@@ -372,11 +372,11 @@ class SpeculativeDecoder:
 
         req = _Request(prompt, params, self.context_length, seed,
                        eos_token_ids(self.target_model, eos_token_id=eos_token_id), self.vocab_size,
-                       cache_prompt=self._caches_prompt(params))
+                       cache_prompt=self.caches_prompt(params))
         warper = _Warper(params.temperature, params.top_k, params.top_p, self.vocab_size)
         return Stream(req, self._run(req, warper))
 
-    def _caches_prompt(self, params: SamplingParams) -> bool:
+    def caches_prompt(self, params: SamplingParams) -> bool:
         """Whether a request reads and feeds the prompt cache: it is on, the request did not opt out, needs no
         prompt logprobs (every prompt row, so a full prefill) and the pair is not compiled (each compiled model
         has one static cache, which every request claims and empties: the prompt cache is bypassed there)."""

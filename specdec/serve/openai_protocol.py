@@ -30,6 +30,7 @@ from ..params import DRAFTERS, MAX_LOGPROBS, SEED_MAX, SEED_MIN, SERVED_METHODS,
 from .config import Settings
 from .errors import ApiError
 from .protocol import (
+    CACHE_PROMPT_DESCRIPTION,
     CONFIDENCE_DESCRIPTION,
     DRAFTER_DESCRIPTION,
     LOGPROBS_DESCRIPTION,
@@ -210,6 +211,7 @@ class _Request(BaseModel):
     verification: Literal[VERIFICATIONS] | None = Field(None, description="extension: " + VERIFICATION_DESCRIPTION)
     draft_confidence_threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
                                                      description="extension: " + CONFIDENCE_DESCRIPTION)
+    cache_prompt: bool | None = Field(None, description="extension: " + CACHE_PROMPT_DESCRIPTION)
 
     @property
     def max_tokens_field(self) -> str:
@@ -429,10 +431,15 @@ class SpeculativeDecodingStats(BaseModel):
                    num_accepted_tokens_per_pos=list(stats.accepted_per_position))
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens served from the prompt cache, not prefilled again")
+
+
 class CompletionUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class _Answer(BaseModel):

@@ -36,6 +36,7 @@ from .protocol import (
     LOGPROBS_DESCRIPTION,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
+    SEED_DESCRIPTION,
     VERIFICATION_DESCRIPTION,
     HugeInteger,
     Temperature,
@@ -186,7 +187,7 @@ class _Request(BaseModel):
     temperature: Temperature = temperature_field(le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="nucleus sampling mass")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX,
-                             description="the same seed and request give the same completion; default random")
+                             description=SEED_DESCRIPTION)
     stop: Annotated[StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None,
                     BeforeValidator(_stop_strings)] = Field(
         None, description=f"up to {MAX_STOP_STRINGS} strings; the completion ends before the first one found, "

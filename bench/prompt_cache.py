@@ -23,6 +23,7 @@ token for token.
 
 import argparse
 import json
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -113,6 +114,9 @@ class Side:
             "target_prefill_seconds": s.target_prefill_seconds, "draft_prefill_seconds": s.draft_prefill_seconds,
             "answer": answer, "cache_bytes": decoder.prompt_cache.nbytes, "cache_entries": len(decoder.prompt_cache)})
         self.previous = ids + answer
+        print(f"{unit} step {step} cache {'on' if self.cache else 'off'}: {len(ids)} prompt tokens, "
+              f"{s.cached_tokens or 0} cached, {s.first_chunk_seconds:.2f} s to the first token, "
+              f"{s.total_seconds:.2f} s", file=sys.stderr, flush=True)
         return answer
 
 
@@ -271,6 +275,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--min-history", type=int, default=1000)
     parser.add_argument("--budget", type=int, default=None, help="prompt cache bytes (default: as the service)")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", default="auto", help="the pair's dtype, as load_pair takes it")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -286,7 +291,7 @@ def main(argv=None) -> dict:
                             eos_token_id=tokenizer.convert_tokens_to_ids("<eos>"))
         draft = perturbed_copy(target, noise=0.3)
     else:
-        draft, target, tokenizer = load_pair(compile=False)
+        draft, target, tokenizer = load_pair(dtype=args.dtype, compile=False)
     if args.budget is not None:
         budget = args.budget
     elif args.tiny:  # the service's default would be the tiny weights' size: less than an entry
@@ -301,7 +306,7 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     runs = run_workloads(decoder, tokenizer, args)
     report = {
-        "command": "python -m bench.prompt_cache " + " ".join(argv if argv is not None else __import__("sys").argv[1:]),
+        "command": "python -m bench.prompt_cache " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"), "machine": machine_info(),
         "pair": "tiny" if args.tiny else "default", "args": vars(args), "budget": budget,
         "seconds": time.perf_counter() - started,

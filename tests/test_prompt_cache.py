@@ -385,3 +385,22 @@ def test_service_a_client_that_disconnects_leaves_a_consistent_entry(pair):
     assert len(entry.token_ids) < len("Far far away") + 200
     service = app.extensions["specdec"]
     service.engine.call(assert_entries_hold_their_tokens, service.decoder)
+
+
+def test_prompt_cache_bytes_from_the_environment_and_auto(pair, clean_env):
+    from specdec.prompt_cache import memory_bytes, weights_bytes
+    from specdec.serve.config import ConfigError, load_settings
+    from specdec.serve.loader import prompt_cache_budget
+
+    assert load_settings(environ={"SPECDEC_PROMPT_CACHE_BYTES": "0"}).prompt_cache_bytes == 0
+    assert load_settings(environ={"SPECDEC_PROMPT_CACHE_BYTES": "123456"}).prompt_cache_bytes == 123456
+    auto = load_settings(environ={"SPECDEC_PROMPT_CACHE_BYTES": "auto"})
+    assert auto.prompt_cache_bytes is None and load_settings(environ={}).prompt_cache_bytes is None  # the default
+    draft, target, _ = pair
+    assert prompt_cache_budget(auto, draft, target) == default_budget(weights_bytes(draft, target),
+                                                                      memory_bytes(torch.device("cpu"))) > 0
+    with pytest.raises(ConfigError, match="prompt_cache_bytes"):
+        load_settings(environ={"SPECDEC_PROMPT_CACHE_BYTES": "-5"})
+    off = make_app(pair, prompt_cache_bytes=0).test_client()
+    assert off.get("/readyz").get_json()["prompt_cache_bytes"] == 0
+    assert off.post("/predict", json={"prompt": "Hi", "max_new_tokens": 2}).get_json()["stats"]["cached_tokens"] is None

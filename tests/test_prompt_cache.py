@@ -404,3 +404,35 @@ def test_prompt_cache_bytes_from_the_environment_and_auto(pair, clean_env):
     off = make_app(pair, prompt_cache_bytes=0).test_client()
     assert off.get("/readyz").get_json()["prompt_cache_bytes"] == 0
     assert off.post("/predict", json={"prompt": "Hi", "max_new_tokens": 2}).get_json()["stats"]["cached_tokens"] is None
+
+
+def test_a_wide_prefill_after_cached_tokens_takes_one_attention_call(monkeypatch):
+    """Our CPU attention goes row by row over a verification's few rows (bitwise decoding's sums), but a forward
+    wider than any verification after cached tokens is the prefill of what the prompt cache did not hold: one
+    masked call, equal to the row-by-row result within rounding."""
+    import specdec.cpu.attention as attention
+    from specdec.models.kernels import use_cpu_kernels
+
+    model = make_model("qwen2", seed=0, hidden=64, initializer_range=0.1, context=1024, vocab_size=VOCAB)
+    use_cpu_kernels(model)
+    calls = {"n": 0}
+    original = attention.one_query_attention
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "one_query_attention", counted)
+    ids = tokens(400, 70)
+    width = attention.ROW_BY_ROW_MAX + 20
+    outputs = {}
+    for limit in (attention.ROW_BY_ROW_MAX, 10_000):  # the bound, and none (row by row at any width)
+        monkeypatch.setattr(attention, "ROW_BY_ROW_MAX", limit)
+        cache = DynamicCache(config=model.config)
+        calls["n"] = 0
+        with torch.no_grad():
+            model(input_ids=torch.tensor([ids[:-width]]), cache=cache, use_cache=True)
+            outputs[limit] = model(input_ids=torch.tensor([ids[-width:]]), cache=cache, use_cache=True).logits
+        assert (calls["n"] == 0) == (limit < width)
+    first, second = outputs.values()
+    assert torch.allclose(first, second, atol=1e-4)

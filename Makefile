@@ -9,7 +9,7 @@ LINT_VENV := .venv-lint
 LINT_INSTALLED := $(LINT_VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv models serve test unit bench stress eval lint lint-docker lint-deploy clean gpu-shapes
+.PHONY: venv models serve test unit bench bench-prompt-cache stress eval lint lint-docker lint-deploy clean gpu-shapes
 
 $(INSTALLED): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,11 @@ bench: models
 	$(BIN)/python -m bench.benchmark --out bench/results
 	$(BIN)/python -m bench.overhead --out bench/results/overhead/tiny
 	$(BIN)/python -m bench.overhead --pair default --tokens 64 --repeats 2 --out bench/results/overhead/default
+	$(BIN)/python -m bench.prompt_cache --out bench/results/prompt-cache
+
+# the prompt cache's workloads alone (multi-turn chat, agent loop, editor; cache on against off)
+bench-prompt-cache: models
+	$(BIN)/python -m bench.prompt_cache --out bench/results/prompt-cache
 
 stress: venv
 	$(BIN)/python -m bench.stress

@@ -30,6 +30,8 @@ from .params import (
     VERIFICATIONS,
     SamplingParams,
 )
+from .prompt_cache import PromptCache, cache_length, reusable
+from .prompt_cache import crop as crop_cache
 from .sampling import TokenLogprobs, logits_to_probs, sample, token_logprobs
 from .stats import GenerationStats
 from .verification import accept_mask
@@ -120,10 +122,16 @@ class _Request:
     """All mutable state of one generate call: sequence, caches, RNG, counters and timers."""
 
     def __init__(self, prompt: list[int], params: SamplingParams, limit: int | None, seed: int, eos: set[int],
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, cache_prompt: bool = False):
         self.ids = list(prompt)
         self.prompt_len = len(prompt)
         self.params = params
+        # the prompt cache: consulted when the request starts and given the caches back when it ends
+        self.cache_prompt = cache_prompt
+        self.reused: dict = {}  # role -> a DynamicCache from the prompt cache, holding a prefix of the prompt
+        self.cached_tokens: int | None = None  # prompt tokens the decoding model did not prefill; None: not consulted
+        self.caches: dict[str, CachedModel] = {}  # role -> this request's cache of that model
+        self.interrupted = False  # a forward raised: its cache may hold some layers' keys of its tokens, not all
         self.max_new_tokens = params.max_new_tokens
         self.limit = limit
         self.seed = seed
@@ -159,14 +167,21 @@ class _Request:
             budget = min(budget, self.limit - len(self.ids))
         return budget
 
-    def cache_for(self, model) -> CachedModel:
-        """A KV cache for this request: the model's static one where it has a compiled form (compiled.py)."""
-        return cache_for(model, self.prompt_len + self.max_new_tokens + 1)
+    def cache_for(self, role: str, model) -> CachedModel:
+        """The request's KV cache of one model ("target" or "draft"): the prompt cache's, where it gave one, else
+        the model's static one where it has a compiled form (compiled.py), else a new one."""
+        if role not in self.caches:
+            reused = self.reused.pop(role, None)
+            self.caches[role] = CachedModel(model, reused) if reused is not None else \
+                cache_for(model, self.prompt_len + self.max_new_tokens + 1)
+        return self.caches[role]
 
     def forward(self, role: str, model: CachedModel, tokens: list[int], keep: int = 1) -> torch.Tensor:
         """A timed forward of the draft or target model."""
         start = time.perf_counter()
+        self.interrupted = True
         logits = model.forward(tokens, keep)
+        self.interrupted = False
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)
         seconds = time.perf_counter() - start
@@ -192,11 +207,16 @@ class _Request:
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
+    def prefilled(self, role: str) -> bool:
+        """Whether the model's prefill has run: its later forwards follow cached tokens of this request's."""
+        return self.forwards[role] > 0
+
     def prefill(self, role: str, model: CachedModel) -> torch.Tensor:
-        """The forward over the prompt: the logits of its last position, (1, V). With prompt_logprobs, the
-        forward keeps every position's row and the prompt's log-probabilities are taken from them."""
+        """The forward over the prompt's tokens not in the cache (all but a prefix the prompt cache held): the
+        logits of its last position, (1, V). With prompt_logprobs (never with the prompt cache), the forward keeps
+        every position's row and the prompt's log-probabilities are taken from them."""
         if self.params.prompt_logprobs is None:
-            return self.forward(role, model, self.ids, keep=1)
+            return self.forward(role, model, self.ids[model.length:], keep=1)
         rows = self.forward(role, model, self.ids, keep=self.prompt_len)  # (n, V): row i predicts token i + 1
         self.prompt_logprobs = [None] + token_logprobs(rows[:-1, : self.vocab_size], self.ids[1:],
                                                        self.params.prompt_logprobs)
@@ -255,7 +275,7 @@ class _Request:
             proposed_by_drafter=dict(self.proposed_by_drafter), accepted_by_drafter=dict(self.accepted_by_drafter),
             rounds_by_drafter=dict(self.rounds_by_drafter),
             round_share_by_drafter={d: n / self.rounds for d, n in self.rounds_by_drafter.items()},
-            finished=finished)
+            finished=finished, cached_tokens=self.cached_tokens)
 
     def result(self) -> GenerationResult:
         return GenerationResult(self.ids[self.prompt_len:], list(self.sources), self.finish_reason or "length",
@@ -288,7 +308,8 @@ class Stream(Generator):
 class SpeculativeDecoder:
     """Exact speculative decoding for a draft/target pair of Hugging Face causal LMs sharing a vocabulary."""
 
-    def __init__(self, draft_model, target_model, tokenizer=None, lookup: LookupSettings = LookupSettings()):
+    def __init__(self, draft_model, target_model, tokenizer=None, lookup: LookupSettings = LookupSettings(),
+                 prompt_cache_bytes: int = 0):
         self.draft_model = draft_model.eval()
         self.target_model = target_model.eval()
         self.vocab_size = check_vocabularies(draft_model, target_model, tokenizer)
@@ -297,6 +318,8 @@ class SpeculativeDecoder:
         # measured forward costs of this pair on this machine, kept across requests for adaptive gamma
         self.cost_profile = CostProfile()
         self.lookup = lookup  # prompt lookup's knobs, for the lookup and hybrid drafters
+        # both models' caches kept across requests (prompt_cache.py), within prompt_cache_bytes (0: off)
+        self.prompt_cache = PromptCache(prompt_cache_bytes)
         # called as round_observer(draft_tokens, draft_probs, target_probs) with every block before it is
         # verified (target_probs: the k rows p_1..p_k); the benchmark compares the rules on the same blocks
         self.round_observer = None
@@ -348,24 +371,57 @@ class SpeculativeDecoder:
                 f"{self.context_length} tokens", field="input_ids")
 
         req = _Request(prompt, params, self.context_length, seed,
-                       eos_token_ids(self.target_model, eos_token_id=eos_token_id), self.vocab_size)
+                       eos_token_ids(self.target_model, eos_token_id=eos_token_id), self.vocab_size,
+                       cache_prompt=self.caches_prompt(params))
         warper = _Warper(params.temperature, params.top_k, params.top_p, self.vocab_size)
         return Stream(req, self._run(req, warper))
 
+    def caches_prompt(self, params: SamplingParams) -> bool:
+        """Whether a request reads and feeds the prompt cache: it is on, the request did not opt out, needs no
+        prompt logprobs (every prompt row, so a full prefill) and the pair is not compiled (each compiled model
+        has one static cache, which every request claims and empties: the prompt cache is bypassed there)."""
+        compiled = any(getattr(model, "specdec_static", None) is not None
+                       for model in (self.draft_model, self.target_model))
+        return (self.prompt_cache.enabled and params.cache_prompt and params.prompt_logprobs is None
+                and params.max_new_tokens > 0 and not compiled)
+
     def _run(self, req: "_Request", probs: "_Warper"):
         params = req.params
-        if params.max_new_tokens == 0:  # the prompt scored alone (prompt_logprobs): its prefill, nothing drawn
-            req.prefill("target", CachedModel(self.target_model))
-            yield req.commit([], [])
-        elif params.speculative and params.gamma is None and params.temperature > 0:
-            yield from self._speculate_adaptive(req, probs)
-        elif params.speculative:
-            yield from self._speculate(req, probs)
-        else:
-            yield from self._autoregress(req, probs)
+        if req.cache_prompt:  # here, on the engine's thread, when decoding starts
+            req.reused = self.prompt_cache.take(req.ids)
+            decoding = "draft" if params.method == "draft" else "target"
+            req.cached_tokens = cache_length(req.reused[decoding]) if decoding in req.reused else 0
+        try:
+            if params.max_new_tokens == 0:  # the prompt scored alone (prompt_logprobs): its prefill, nothing drawn
+                req.prefill("target", CachedModel(self.target_model))
+                yield req.commit([], [])
+            elif params.speculative and params.gamma is None and params.temperature > 0:
+                yield from self._speculate_adaptive(req, probs)
+            elif params.speculative:
+                yield from self._speculate(req, probs)
+            else:
+                yield from self._autoregress(req, probs)
+        finally:  # also when abandoned (closed at a round's end) or failed
+            if req.cache_prompt:
+                self._keep(req)
         result = req.result()
         logger.debug("generate done: %s", result.stats)
         return result
+
+    def _keep(self, req: "_Request") -> None:
+        """Give the request's caches to the prompt cache, holding the committed tokens but the newest (never fed):
+        the caches it decoded with, cropped to them (a round cut short by an error may have fed proposals it never
+        committed), and those it took and did not use. Nothing when a forward raised: its cache may hold some
+        layers' keys of its tokens and not others', and no entry may claim tokens its caches do not hold."""
+        if req.interrupted:
+            return
+        kept = len(req.ids) - 1
+        caches = dict(req.reused)
+        caches.update({role: model.cache for role, model in req.caches.items()})
+        caches = {role: cache for role, cache in caches.items() if reusable(cache)}
+        for cache in caches.values():
+            crop_cache(cache, kept)
+        self.prompt_cache.put(req.ids[:kept], caches)
 
     def _prompt(self, input_ids) -> list[int]:
         if isinstance(input_ids, torch.Tensor):
@@ -381,9 +437,10 @@ class SpeculativeDecoder:
     def _autoregress(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:
         """Target-only or draft-only decoding with a KV cache: one forward, one token."""
         role = "target" if req.params.method == "target" else "draft"
-        model = req.cache_for(self.target_model if role == "target" else self.draft_model)
+        model = req.cache_for(role, self.target_model if role == "target" else self.draft_model)
         while req.finish_reason is None:
-            logits = req.forward(role, model, req.ids[model.length:]) if model.length else req.prefill(role, model)
+            logits = req.forward(role, model, req.ids[model.length:]) if req.prefilled(role) \
+                else req.prefill(role, model)
             token = sample(probs(logits[-1]), req.generator)
             req.rounds += 1
             if (yield req.commit([token], ["target"], logits[-1:])) == "stop":
@@ -399,7 +456,7 @@ class SpeculativeDecoder:
                                min_match=self.lookup.hybrid_min_match if kind == "hybrid" else None)
         if kind == "lookup":
             return lookup
-        model = ModelDrafter(req.cache_for(self.draft_model), probs, forward, req.params.draft_confidence_threshold)
+        model = ModelDrafter(req.cache_for("draft", self.draft_model), probs, forward, req.params.draft_confidence_threshold)
         return model if kind == "model" else HybridDrafter(model, lookup, self.lookup)
 
     def _speculate(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:
@@ -411,7 +468,7 @@ class SpeculativeDecoder:
         gamma is fixed, or, for greedy decoding with gamma=None, chosen each round by adaptive gamma: greedy output
         is the target's argmax at every position whatever lengths are chosen, so those rounds keep their bonus
         token, which adaptive sampling gives up to stay reproducible (`_speculate_adaptive`)."""
-        drafter, target = self._drafter(req, probs), req.cache_for(self.target_model)
+        drafter, target = self._drafter(req, probs), req.cache_for("target", self.target_model)
         generator = req.generator
         adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile) \
             if req.params.gamma is None else None
@@ -455,7 +512,7 @@ class SpeculativeDecoder:
         the next round: it draws from the request's one generator instead, and its output depends on the lengths
         chosen, while its samples stay exactly the target's.
         """
-        drafter, target = self._drafter(req, probs), req.cache_for(self.target_model)
+        drafter, target = self._drafter(req, probs), req.cache_for("target", self.target_model)
         adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile, bonus=False)
         per_position = req.params.verification == "token"
         while req.finish_reason is None:
@@ -499,15 +556,15 @@ class SpeculativeDecoder:
         """The target's logits for the position after the committed sequence and after each of `extra`
         (len(extra) + 1 rows), in one forward over the uncached tokens.
 
-        Except the first time: then the prompt goes alone, the forward target-only decoding starts with, and
-        `extra` after it with the cache. Every target row is then computed as target-only decoding computes it
+        Except the first time: then the prompt goes alone (what of it the prompt cache did not hold), the forward
+        target-only decoding starts with, and `extra` after it with the cache. Every target row is then computed as target-only decoding computes it
         (a prefill over the prompt, then forwards after cached tokens, which our CPU kernels make bitwise the
         same as one token at a time), so greedy output is target-only's token for token, near ties included.
         Folded into the prefill, the first proposals would go through the prefill's matrix products instead
         (a rounding step of bfloat16 away). It costs one forward more per request. With prompt_logprobs the
         prefill keeps every prompt row (`_Request.prefill`).
         """
-        if target.length:
+        if req.prefilled("target"):
             return req.forward("target", target, req.ids[target.length:] + extra, keep=len(extra) + 1)
         first = req.prefill("target", target)
         return torch.cat((first, req.forward("target", target, extra, keep=len(extra)))) if extra else first

@@ -22,14 +22,17 @@ def context_length(model) -> int | None:
 
 
 class CachedModel:
-    """One model's KV cache for one request. `length` tokens of the sequence are cached."""
+    """One model's KV cache for one request. `length` tokens of the sequence are cached: none, or with `cache` (a
+    DynamicCache of this model's, from the prompt cache), the prefix it holds."""
 
-    def __init__(self, model):
+    def __init__(self, model, cache: DynamicCache | None = None):
         self.model = model
         self.device = input_device(model)
-        self.cache = DynamicCache(config=model.config)
-        if hasattr(self.cache, "activate_past_recording"):
-            self.cache.activate_past_recording()  # sliding-window layers must be able to roll back
+        if cache is None:
+            cache = DynamicCache(config=model.config)
+            if hasattr(cache, "activate_past_recording"):
+                cache.activate_past_recording()  # sliding-window layers must be able to roll back
+        self.cache = cache
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @property

@@ -35,6 +35,9 @@ class SamplingParams:
     (log-softmax of its logits, before temperature, top-k and top-p) with that many most likely alternatives;
     `prompt_logprobs` the same for the prompt's tokens, from the prefill. With `prompt_logprobs`, max_new_tokens
     may be 0: the prompt is scored alone.
+
+    `cache_prompt` (llama.cpp's name): the request may start from the engine's prompt cache and leaves its caches
+    there; false opts out of both. It changes no distribution, only what is prefilled.
     """
 
     max_new_tokens: int = 64
@@ -49,6 +52,7 @@ class SamplingParams:
     draft_confidence_threshold: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    cache_prompt: bool = True
 
     def __post_init__(self):
         for name, allowed in (("method", METHODS), ("drafter", DRAFTERS), ("verification", VERIFICATIONS)):
@@ -75,6 +79,8 @@ class SamplingParams:
         if not 0 <= threshold <= 1:
             raise SpecDecError(f"draft_confidence_threshold must be between 0 and 1, got {threshold}",
                                field="draft_confidence_threshold")
+        if not isinstance(self.cache_prompt, bool):
+            raise SpecDecError(f"cache_prompt must be true or false, got {self.cache_prompt!r}", field="cache_prompt")
         object.__setattr__(self, "draft_confidence_threshold", threshold)
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)

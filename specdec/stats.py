@@ -55,6 +55,9 @@ class GenerationStats(Mapping):
     round_share_by_drafter: dict[str, float] = field(default_factory=dict)
     finished: bool = True  # False: abandoned (client gone, error) before the engine returned
     queue_seconds: float | None = None  # the service's wait for the engine; None outside the service
+    # prompt tokens the target did not prefill because the prompt cache held their keys and values from an earlier
+    # request (0: it held none of them); None: the request did not consult it (off, opted out, compiled pair)
+    cached_tokens: int | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -630,3 +630,27 @@ def test_benchmark_draft_beside_a_bfloat16_target_is_int8_as_load_pair_gives_it(
     plain = ours_draft(stock, "none")
     assert next(plain.parameters()).dtype == torch.bfloat16
     assert not any(isinstance(m, DynamicQuantizedLinear) for m in plain.modules())
+
+
+def test_prompt_cache_workloads_run_end_to_end_on_the_tiny_pair(tmp_path):
+    """bench/prompt_cache.py: chat, agent and editor, the cache on and off side by side; the cache serves a growing
+    share of each conversation, greedy answers are the same both ways, and the report is written."""
+    from bench import prompt_cache
+
+    out = tmp_path / "prompt-cache"
+    report = prompt_cache.main(["--tiny", "--out", str(out), "--conversations", "2", "--turns", "3", "--steps", "3",
+                                "--points", "3", "--snippet-tokens", "60", "--result-tokens", "60",
+                                "--file-tokens", "400", "--min-history", "200", "--max-new-tokens", "8"])
+    summary = report["summary"]
+    assert set(summary) == {"chat", "agent", "editor"}
+    for name, figures in summary.items():
+        assert figures["same_answers"] == figures["requests"], name
+        assert 0 < figures["cached_share"] < 1 and 0 < figures["max_cache_bytes"] <= report["budget"], name
+    chat = [r for r in summary["chat"]["per_step"] if r["unit"] == "chat1"]
+    assert [r["cached_tokens"] for r in chat][0] == 0
+    assert all(later["cached_tokens"] > earlier["cached_tokens"] for earlier, later in zip(chat, chat[1:]))
+    assert all(r["cached_tokens"] == r["history_tokens"] - 1 for r in chat[1:])  # the whole last turn, but its
+    # newest token (the character tokenizer re-renders every answer token for token)
+    assert summary["chat"]["template_repeated"] == summary["chat"]["template_history"]
+    assert (out / "results.md").read_text().startswith("# Prompt cache: tiny pair")
+    assert json.loads((out / "results.json").read_text())["runs"]["editor"]["on"][1]["cached_tokens"] > 0

@@ -16,6 +16,9 @@ settings and adaptive gamma, with the stop counted so that it demonstrably fired
 
 The many-sample tests use TinyCausalLM (a one-layer model on a real DynamicCache, ~10x cheaper per forward
 than a library model); one test repeats the check on a transformers Llama with its own cache.
+
+With a warm prompt cache (keys and values of the prompt left by earlier requests), the samples pass the same test
+(`test_samples_follow_target_distribution_with_a_warm_prompt_cache`).
 """
 
 import copy
@@ -254,6 +257,40 @@ def test_wrong_rule_fails_the_test(pair, monkeypatch):
     decoder = SpeculativeDecoder(draft, target)
     counts = draw(decoder, "google", SETTINGS["t1"], 5_000)
     assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), 5_000) < 1e-6
+
+
+# --- a warm prompt cache ----------------------------------------------------------------------------------------
+
+WARM_SAMPLES = 4_000
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("variant, drafter, setting, gamma", [("google", "model", "t1", 2),
+                                                              ("deepmind", "hybrid", "t0.8-topk5-topp0.9", 2),
+                                                              ("google", "hybrid", "topp0.8", None)])
+def test_samples_follow_target_distribution_with_a_warm_prompt_cache(close_pair, variant, drafter, setting,
+                                                                      gamma):
+    """Each draw starts from keys and values an earlier request left: every other draw from a copy of the
+    previous draw's prefix (its entry continues past the prompt), the others from an entry holding the prompt
+    alone, which it takes whole (left by a one-token request just before it). Either way all but the prompt's
+    last token come from the cache, counted."""
+    draft, target = close_pair
+    decoder = SpeculativeDecoder(draft, target, prompt_cache_bytes=200_000)
+    temperature, top_k, top_p = SETTINGS[setting]
+    prompt = HYBRID_PROMPT
+    counts, warm = {}, 0
+    for i in range(WARM_SAMPLES):
+        if i % 2:
+            decoder.generate(prompt, max_new_tokens=1, method=variant, gamma=gamma, temperature=temperature,
+                             seed=10_000_019 + i, drafter=drafter)
+        result = decoder.generate(prompt, max_new_tokens=LENGTH, method=variant, gamma=gamma,
+                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=17 * 1_000_003 + i,
+                                  drafter=drafter)
+        warm += result.stats.cached_tokens == len(prompt) - 1
+        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
+    assert warm >= WARM_SAMPLES - 1  # the first draw found nothing
+    expected = exact_distribution(target, *SETTINGS[setting], prompt=prompt)
+    assert goodness_of_fit(counts, expected, WARM_SAMPLES) > 1e-3
 
 
 # --- the other drafters and block verification ------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The official `openai` client against the /v1 routes of a live gunicorn on 127.0.0.1 with the saved tiny pair:
 completions and chat, streamed and not; greedy output equal to the engine's own target-only greedy decoding;
-usage; a stop string split across two chunks; the model list; BadRequestError with its param; the SDK's
+usage; a conversation served from the prompt cache; a stop string split across two chunks; the model list; BadRequestError with its param; the SDK's
 retries ending in its 503 error; a client that goes away; and the OpenAI documentation's example bodies sent
 raw, as curl sends them."""
 
@@ -117,8 +117,30 @@ def test_chat_greedy_and_streamed(client, reference):
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
 
 
+def test_a_conversation_reuses_its_history_and_answers_as_without_the_prompt_cache(client, reference):
+    """Each turn sends the whole conversation again: the prompt cache serves more of it each turn, and the greedy
+    answers are those of the same conversation sent with cache_prompt false (and the engine's own, uncached)."""
+    messages = [{"role": "system", "content": "You answer in one line. (conversation 1)"},
+                {"role": "user", "content": "Name three colours."}]
+    cached = []
+    for turn in range(4):
+        body = {"model": "target", "messages": messages, "max_tokens": 16, "temperature": 0}
+        answer = client.chat.completions.create(**body)
+        plain = client.chat.completions.create(**body, extra_body={"cache_prompt": False})
+        text = answer.choices[0].message.content
+        assert text == plain.choices[0].message.content == reference(16, messages=messages)[0]
+        assert plain.usage.prompt_tokens_details.cached_tokens == 0
+        cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+        assert cached[-1] < answer.usage.prompt_tokens
+        messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": f"And {turn}?"}]
+    assert all(later > earlier for earlier, later in zip(cached, cached[1:])), cached
+    assert cached[1] > 40  # the first turn's prompt and most of its answer
+
+
 def test_sampled_stream_equals_the_answer_with_the_same_seed(client):
-    body = {"model": "target", "messages": MESSAGES, "max_tokens": 30, "temperature": 0.9, "top_p": 0.95, "seed": 7}
+    # cache_prompt false: reused keys come from forwards of other widths, so a draw may differ at a rounding tie
+    body = {"model": "target", "messages": MESSAGES, "max_tokens": 30, "temperature": 0.9, "top_p": 0.95, "seed": 7,
+            "extra_body": {"cache_prompt": False}}
     answer = client.chat.completions.create(**body)
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**body, stream=True))
     assert streamed == answer.choices[0].message.content and stats_of(answer.choices[0])["seed"] == 7
@@ -196,14 +218,15 @@ def test_several_prompts_are_choices_in_order(client, reference):
 
 def test_chat_logprobs_streamed_and_not(client, reference):
     text = reference(20, messages=MESSAGES)[0]
+    off = {"cache_prompt": False}  # logprobs equal to the bit: no keys reused from forwards of other widths
     answer = client.chat.completions.create(model="target", messages=MESSAGES, max_tokens=20, temperature=0,
-                                            logprobs=True, top_logprobs=3)
+                                            logprobs=True, top_logprobs=3, extra_body=off)
     content = answer.choices[0].logprobs.content
     assert answer.choices[0].message.content == text
     assert all(len(t.top_logprobs) == 3 and t.top_logprobs[0].token == t.token for t in content)  # greedy
     assert all(bytes(t.bytes).decode() == t.token for t in content)
     chunks = list(client.chat.completions.create(model="target", messages=MESSAGES, max_tokens=20, temperature=0,
-                                                 logprobs=True, top_logprobs=3, stream=True))
+                                                 logprobs=True, top_logprobs=3, stream=True, extra_body=off))
     streamed = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [t.token for t in streamed] == [t.token for t in content]
     assert [t.logprob for t in streamed] == [t.logprob for t in content]

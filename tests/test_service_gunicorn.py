@@ -77,7 +77,7 @@ def test_errors_are_json_under_gunicorn(server):
 
 
 def test_sse_stream_read_by_a_real_client(server):
-    body = {"prompt": PROMPT, "max_new_tokens": 40, "seed": 5, "details": True}
+    body = {"prompt": PROMPT, "max_new_tokens": 40, "seed": 5, "details": True, "cache_prompt": False}  # to the bit
     events = []
     with post(server, {**body, "stream": True}, stream=True) as response:
         assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/event-stream")
@@ -101,7 +101,8 @@ def test_eight_concurrent_clients_with_a_queue_of_two(server):
     def client(i):
         barrier.wait()
         try:
-            response = post(server, {"prompt": prompts[i], "seed": i, "max_new_tokens": 120},
+            # cache_prompt false: answers compared to the bit (the prompt cache reuses keys of other widths)
+            response = post(server, {"prompt": prompts[i], "seed": i, "max_new_tokens": 120, "cache_prompt": False},
                             headers={"X-Request-ID": f"concurrent-{i}"})
             results[i] = (response.status_code, response.headers, response.json())
         except Exception as error:  # noqa: BLE001 - a lost request must fail the test, not the thread
@@ -121,7 +122,7 @@ def test_eight_concurrent_clients_with_a_queue_of_two(server):
             assert body["error"]["type"] == "overloaded" and int(headers["Retry-After"]) >= 1
         else:  # the answer belongs to this client's prompt: the same as asking alone
             assert body["usage"]["prompt_tokens"] == len(prompts[i])
-            alone = post(server, {"prompt": prompts[i], "seed": i, "max_new_tokens": 120}).json()
+            alone = post(server, {"prompt": prompts[i], "seed": i, "max_new_tokens": 120, "cache_prompt": False}).json()
             assert body["text"] == alone["text"] and body["usage"] == alone["usage"]
     log = server.log()
     for i in range(8):  # answered exactly once

@@ -10,7 +10,9 @@ with the plain causal mask (one sequence, no padding) each new token gets the un
 makes (`one_query_attention`, which a decoded token gets too, and which is 2-10x faster than torch's one-query
 call with `enable_gqa` on CPU): with the few-rows linears (specdec.cpu.linear), a verification forward gives
 bitwise the logits of target-only decoding, float32 or bfloat16, and greedy speculative output equals greedy
-target-only output by construction, not only away from near ties. Padded masks keep the single grouped call. The
+target-only output by construction, not only away from near ties. Padded masks keep the single grouped call, and so
+do forwards wider than any verification (ROW_BY_ROW_MAX rows): after cached tokens such a forward is the prefill of
+what the prompt cache did not hold, the same forward in every method. The
 function is registered through transformers' AttentionInterface under its own name and selected per model
 (`set_attn_implementation`), so other models in the process keep the library's behaviour.
 """
@@ -22,9 +24,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..params import MAX_GAMMA
+
 logger = logging.getLogger(__name__)
 
 GQA_ATTENTION = "specdec_sdpa_gqa"
+# the widest verification forward: a hybrid round's gamma model and up to as many lookup proposals, and the bonus
+ROW_BY_ROW_MAX = 2 * MAX_GAMMA + 1
 
 
 def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -37,7 +43,10 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     plain = all(kwargs.get(name) is None for name in ("position_bias", "softcap")) \
         and not kwargs.get("output_attentions", False)
     rows, keys = query.shape[2], key.shape[2]
-    one_by_one = rows == 1 and attention_mask is None or rows < keys and is_causal_mask(attention_mask, rows, keys)
+    # a wider forward after cached tokens is a prefill of what the prompt cache did not hold: every method runs the
+    # same one, so it takes the single call (row by row, hundreds of rows cost seconds per layer)
+    one_by_one = rows == 1 and attention_mask is None or \
+        rows <= ROW_BY_ROW_MAX and rows < keys and is_causal_mask(attention_mask, rows, keys)
     if plain and one_by_one:
         # Each query row gets the call that decoding its token makes, on the same keys and values, so the output
         # is bitwise the same whatever the number of rows; one masked call over all rows sums in another order

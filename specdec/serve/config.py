@@ -56,6 +56,9 @@ class Settings(BaseModel):
     lookup_min_match: int = Field(ge=1)
     hybrid_min_match: int = Field(ge=1)
     hybrid_extend: bool
+    # the prompt cache's byte budget (specdec/prompt_cache.py); None ("auto"): chosen at load time from the weights
+    # and the memory (prompt_cache.default_budget); 0: off
+    prompt_cache_bytes: int | None = Field(ge=0)
     max_new_tokens_limit: int = Field(ge=1)
     max_prompt_tokens: int = Field(ge=1)
     max_prompts_per_request: int = Field(ge=1, le=1024)  # /v1/completions: prompts in one request, each a choice
@@ -78,6 +81,13 @@ class Settings(BaseModel):
     @classmethod
     def _adaptive(cls, value):
         if isinstance(value, str) and value.strip().lower() in (ADAPTIVE, "none", "null"):
+            return None
+        return value
+
+    @field_validator("prompt_cache_bytes", mode="before")
+    @classmethod
+    def _auto(cls, value):
+        if isinstance(value, str) and value.strip().lower() in ("auto", "none", "null"):
             return None
         return value
 

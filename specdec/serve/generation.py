@@ -103,6 +103,11 @@ class Generation:
         return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
                 "total_tokens": len(self.prompt_ids) + completion}
 
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prompt cache served (0 where it was not consulted)."""
+        stats = self.stats()
+        return (stats.cached_tokens or 0) if stats is not None else 0
+
     def body(self) -> dict:
         """The /predict answer."""
         stats = self.stats()
@@ -162,7 +167,7 @@ class Generation:
                 return
             self.closed = True
         try:
-            self.service.engine.call(self.stream.close)
+            held = self.service.engine.call(_close, self.stream, self.service.decoder)
         finally:
             self.slot.release()
         record = self.record
@@ -170,7 +175,11 @@ class Generation:
         record.finish_reason = self.finish_reason() or "cancelled"
         stats = self.stats()
         record.acceptance_rate = stats.acceptance_rate if stats else None
+        if stats is not None and stats.cached_tokens is not None:
+            record.cached_tokens = (record.cached_tokens or 0) + stats.cached_tokens
         self.service.metrics.observe_generation(len(self.prompt_ids), stats)
+        if held is not None:
+            self.service.metrics.observe_prompt_cache(held)
 
 
 def _advance(stream):
@@ -179,6 +188,13 @@ def _advance(stream):
         return next(stream), None
     except StopIteration as end:
         return None, end.value
+
+
+def _close(stream, decoder):
+    """Close the stream (its caches go to the prompt cache, if it takes them); what the prompt cache holds then."""
+    stream.close()
+    prompt_cache = getattr(decoder, "prompt_cache", None)
+    return prompt_cache.held() if prompt_cache is not None else None
 
 
 def _stop(stream):

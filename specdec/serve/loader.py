@@ -16,6 +16,7 @@ from ..engine import SpeculativeDecoder, eos_token_ids
 from ..errors import SpecDecError
 from ..kv_cache import input_device
 from ..models.startup import startup_step
+from ..prompt_cache import default_budget, memory_bytes, weights_bytes
 from .concurrency import EngineThread
 from .config import Settings
 from .errors import ApiError
@@ -71,15 +72,20 @@ class ModelHost:
                     s.device, s.dtype)
         try:
             draft, target, tokenizer = (s.loader or load_configured_pair)(s)
-            decoder = SpeculativeDecoder(draft, target, tokenizer, lookup=s.lookup)
+            decoder = SpeculativeDecoder(draft, target, tokenizer, lookup=s.lookup,
+                                         prompt_cache_bytes=prompt_cache_budget(s, draft, target))
             self.eos_token_ids = sorted(eos_token_ids(target, tokenizer))
             with startup_step("warmed up (two greedy tokens)"):
                 warmup = tokenizer.encode("Hello", add_special_tokens=False)[:1] or [0]
-                decoder.generate(warmup, params=s.sampling.replace(max_new_tokens=2, temperature=0.0))
+                decoder.generate(warmup, params=s.sampling.replace(max_new_tokens=2, temperature=0.0,
+                                                                   cache_prompt=False))
             self.info = {"models": {"draft": display_name(draft, s.draft_model),
                                     "target": display_name(target, s.target_model)},
                          "device": str(input_device(target)), "dtype": str(target.dtype).removeprefix("torch."),
                          "context_length": decoder.context_length,
+                         # 0: off (configured so, or bypassed by a compiled pair)
+                         "prompt_cache_bytes": decoder.prompt_cache.budget
+                         if decoder.caches_prompt(s.sampling.replace(cache_prompt=True)) else 0,
                          "load_seconds": round(time.perf_counter() - start, 2),
                          "resident_memory_bytes": resident_memory_bytes(),
                          "peak_resident_memory_bytes": peak_resident_memory_bytes()}
@@ -107,6 +113,14 @@ def load_configured_pair(settings: Settings):
     return load_pair(draft=settings.draft_model, target=settings.target_model, device=settings.device,
                      dtype=settings.dtype, draft_quantization=settings.draft_quantization, compile=settings.compile,
                      weights=settings.weights)
+
+
+def prompt_cache_budget(settings: Settings, draft, target) -> int:
+    """The configured prompt_cache_bytes, or for "auto" the default from the weights and the memory of the
+    target's device (prompt_cache.default_budget)."""
+    if settings.prompt_cache_bytes is not None:
+        return settings.prompt_cache_bytes
+    return default_budget(weights_bytes(draft, target), memory_bytes(input_device(target)))
 
 
 def _gigabytes(count: int | None) -> str:

@@ -53,6 +53,19 @@ class Metrics:
         self.acceptance_length = Histogram(
             "specdec_spec_decode_mean_acceptance_length", "Per speculative generation with drafts, as vLLM defines "
             "it: 1 + accepted draft tokens / drafts", buckets=ACCEPTANCE_LENGTH_BUCKETS, registry=self.registry)
+        # the prompt cache (specdec/prompt_cache.py): requests that consulted it, and what it holds
+        self.prompt_cache_hits = Counter("specdec_prompt_cache_hits", "Requests that reused a cached prefix of "
+                                         "their prompt", registry=self.registry)
+        self.prompt_cache_misses = Counter("specdec_prompt_cache_misses", "Requests that consulted the prompt "
+                                           "cache and found no prefix to reuse", registry=self.registry)
+        self.cached_prompt_tokens = Counter("specdec_prompt_cache_cached_tokens", "Prompt tokens served from the "
+                                            "prompt cache (not prefilled again)", registry=self.registry)
+        self.prompt_cache_entries = Gauge("specdec_prompt_cache_entries", "Entries the prompt cache holds",
+                                          registry=self.registry)
+        self.prompt_cache_bytes = Gauge("specdec_prompt_cache_bytes", "Bytes of KV cache the prompt cache holds",
+                                        registry=self.registry)
+        self.prompt_cache_budget = Gauge("specdec_prompt_cache_budget_bytes", "The prompt cache's byte budget "
+                                         "(0: off)", registry=self.registry)
         self.queue_depth = Gauge("specdec_queue_depth", "Requests waiting for the engine", registry=self.registry)
         self.busy = Gauge("specdec_engine_busy", "1 while a request is decoding", registry=self.registry)
         self.ready = Gauge("specdec_ready", "1 once both models are loaded", registry=self.registry)
@@ -82,6 +95,15 @@ class Metrics:
             self.accepted_per_position.labels(str(position)).inc(accepted)
         if stats.mean_acceptance_length is not None:
             self.acceptance_length.observe(stats.mean_acceptance_length)
+        if stats.cached_tokens is not None:
+            (self.prompt_cache_hits if stats.cached_tokens else self.prompt_cache_misses).inc()
+            self.cached_prompt_tokens.inc(stats.cached_tokens)
+
+    def observe_prompt_cache(self, held) -> None:
+        """What the prompt cache holds after a request (a prompt_cache.Held)."""
+        self.prompt_cache_entries.set(held.entries)
+        self.prompt_cache_bytes.set(held.nbytes)
+        self.prompt_cache_budget.set(held.budget)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

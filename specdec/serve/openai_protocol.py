@@ -30,11 +30,13 @@ from ..params import DRAFTERS, MAX_LOGPROBS, SEED_MAX, SEED_MIN, SERVED_METHODS,
 from .config import Settings
 from .errors import ApiError
 from .protocol import (
+    CACHE_PROMPT_DESCRIPTION,
     CONFIDENCE_DESCRIPTION,
     DRAFTER_DESCRIPTION,
     LOGPROBS_DESCRIPTION,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
+    SEED_DESCRIPTION,
     VERIFICATION_DESCRIPTION,
     HugeInteger,
     Temperature,
@@ -185,7 +187,7 @@ class _Request(BaseModel):
     temperature: Temperature = temperature_field(le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="nucleus sampling mass")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX,
-                             description="the same seed and request give the same completion; default random")
+                             description=SEED_DESCRIPTION)
     stop: Annotated[StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None,
                     BeforeValidator(_stop_strings)] = Field(
         None, description=f"up to {MAX_STOP_STRINGS} strings; the completion ends before the first one found, "
@@ -210,6 +212,7 @@ class _Request(BaseModel):
     verification: Literal[VERIFICATIONS] | None = Field(None, description="extension: " + VERIFICATION_DESCRIPTION)
     draft_confidence_threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
                                                      description="extension: " + CONFIDENCE_DESCRIPTION)
+    cache_prompt: bool | None = Field(None, description="extension: " + CACHE_PROMPT_DESCRIPTION)
 
     @property
     def max_tokens_field(self) -> str:
@@ -429,10 +432,15 @@ class SpeculativeDecodingStats(BaseModel):
                    num_accepted_tokens_per_pos=list(stats.accepted_per_position))
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens served from the prompt cache, not prefilled again")
+
+
 class CompletionUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class _Answer(BaseModel):

@@ -186,7 +186,9 @@ class Choices:
 
     def usage(self) -> dict:
         usages = [generation.usage() for generation in self.generations]
-        return {key: sum(usage[key] for usage in usages) for key in usages[0]}
+        usage = {key: sum(usage[key] for usage in usages) for key in usages[0]}
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(g.cached_tokens() for g in self.generations)}
+        return usage
 
     def echo(self, index: int) -> str:
         return self.echoes[index] if self.echoes is not None else ""

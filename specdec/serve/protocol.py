@@ -47,6 +47,13 @@ DRAFTER_DESCRIPTION = ("who proposes: the draft model, prompt lookup (n-grams of
 VERIFICATION_DESCRIPTION = "how proposals are verified: token by token, or the block jointly (Sun et al. 2025)"
 CONFIDENCE_DESCRIPTION = ("the draft model ends its run before gamma after a token it gave a probability below "
                           "this (softmax of its logits, before temperature, top-k and top-p); 0: never")
+SEED_DESCRIPTION = ("the same seed and request give the same completion (with cache_prompt false; with the prompt "
+                    "cache, only where it holds the same); default random")
+CACHE_PROMPT_DESCRIPTION = ("start from the prompt cache (reuse what an earlier request shared with this prompt) and "
+                            "leave this request's caches in it; false: neither. Outputs follow the target's "
+                            "distribution either way, but reused keys and values were computed in other forwards, "
+                            "so logits may differ in their last bits: for a seed or logprobs reproducible to the "
+                            "bit whatever the cache holds, send false")
 LOGPROBS_DESCRIPTION = ("the target's log-probability of each token (log-softmax of its raw logits, before "
                         "temperature, top-k and top-p), with this many most likely alternatives")
 
@@ -82,7 +89,7 @@ class PredictRequest(BaseModel):
     top_k: int | None = Field(None, ge=0, description="0 keeps every token")
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="nucleus sampling mass")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX,
-                             description="the same seed and request give the same completion; default random")
+                             description=SEED_DESCRIPTION)
     gamma: int | None = Field(None, ge=1, description="draft tokens proposed per round")
     method: Literal[SERVED_METHODS] | None = None
     drafter: Literal[DRAFTERS] | None = Field(None, description=DRAFTER_DESCRIPTION)
@@ -92,6 +99,7 @@ class PredictRequest(BaseModel):
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
         None, max_length=MAX_STOP_STRINGS, description="the completion ends before the first one found")
     chat: bool | None = Field(None, description="wrap the prompt in the model's chat template")
+    cache_prompt: bool | None = Field(None, description=CACHE_PROMPT_DESCRIPTION)
     details: bool | None = Field(None, description="add the per-token list")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="add `logprobs`: " + LOGPROBS_DESCRIPTION)
     stream: bool | None = Field(None, description="answer with Server-Sent Events")

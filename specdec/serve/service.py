@@ -41,6 +41,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     acceptance_rate: float | None = None
+    cached_tokens: int | None = None  # prompt tokens served from the prompt cache; None: not consulted
     finish_reason: str | None = None
     generation: Generation | None = None  # the one decoding now (of several prompts, they go one after another)
     generations: list[Generation] = field(default_factory=list)
@@ -64,6 +65,7 @@ class Service:
 
     def _ready(self, load_seconds: float) -> None:
         self.metrics.load_seconds.set(load_seconds)
+        self.metrics.prompt_cache_budget.set(self.models.info.get("prompt_cache_bytes", 0))
         self.metrics.ready.set(1)
 
     @property
@@ -225,10 +227,11 @@ class Service:
         seconds = time.perf_counter() - record.started
         self.metrics.observe_request(record.endpoint, record.status or 0, seconds)
         rate = "-" if record.acceptance_rate is None else f"{record.acceptance_rate:.3f}"
-        logger.info("request_id=%s %s status=%s prompt_tokens=%s completion_tokens=%s method=%s "
+        logger.info("request_id=%s %s status=%s prompt_tokens=%s cached_tokens=%s completion_tokens=%s method=%s "
                     "acceptance_rate=%s seconds=%.3f finish_reason=%s error=%s", record.request_id, record.route,
-                    record.status, _dash(record.prompt_tokens), _dash(record.completion_tokens),
-                    _dash(record.method), rate, seconds, _dash(record.finish_reason), _dash(record.error))
+                    record.status, _dash(record.prompt_tokens), _dash(record.cached_tokens),
+                    _dash(record.completion_tokens), _dash(record.method), rate, seconds,
+                    _dash(record.finish_reason), _dash(record.error))
 
 
 class _Borrowed:

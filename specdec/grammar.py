@@ -114,25 +114,28 @@ def ll_tokenizer(tokenizer, vocab_size: int | None = None) -> llguidance.LLToken
 class CompiledGrammar:
     """A checked grammar, ready to start a request's state from (a copy of its pristine matcher)."""
 
-    def __init__(self, constraint: Constraint, matcher: llguidance.LLMatcher, vocab_size: int, eos: int,
+    def __init__(self, constraint: Constraint, matcher: llguidance.LLMatcher, vocab_size: int, width: int, eos: int,
                  compile_seconds: float):
         self.constraint = constraint
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.width = width  # the grammar tokenizer's vocabulary, which its bitmasks cover
         self.eos = eos  # the tokenizer's end-of-sequence token, the one proposed where the grammar is complete
         self.compile_seconds = compile_seconds
 
     def start(self, eos: set[int]) -> "GrammarState":
         """A request's state at the grammar's start; `eos`: the ids that end its generation."""
-        return GrammarState(self._matcher.deep_copy(), self.vocab_size, eos, self.eos)
+        return GrammarState(self._matcher.deep_copy(), self.vocab_size, eos, self.eos, self.width)
 
 
 class GrammarCompiler:
     """Compiles constraints for one tokenizer into CompiledGrammars, `cache_size` most recently used kept."""
 
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = CACHE_SIZE):
+        """`tokenizer`: a Hugging Face tokenizer, or llguidance's tables already built (LLTokenizer)."""
         self.vocab_size = vocab_size  # the engine's (shared) vocabulary: masks have this width
-        self.tokenizer = ll_tokenizer(tokenizer, max(vocab_size, len(tokenizer)))
+        self.tokenizer = tokenizer if isinstance(tokenizer, llguidance.LLTokenizer) \
+            else ll_tokenizer(tokenizer, max(vocab_size, len(tokenizer)))
         self.cache_size = cache_size
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self.hits = self.misses = 0
@@ -156,7 +159,7 @@ class GrammarCompiler:
         if matcher.is_error():
             raise SpecDecError(f"invalid or unsupported {constraint.kind}: {_first_lines(matcher.get_error())}",
                                field=constraint.field)
-        compiled = CompiledGrammar(constraint, matcher, self.vocab_size, self.tokenizer.eos_token,
+        compiled = CompiledGrammar(constraint, matcher, self.vocab_size, self.tokenizer.vocab_size, self.tokenizer.eos_token,
                                    time.perf_counter() - start)
         self._cache[key] = compiled
         if len(self._cache) > self.cache_size:
@@ -177,13 +180,14 @@ class GrammarState:
     is, and none is fed to the matcher (a generation ends on it). `seconds` is the time spent in the grammar
     (masks, forced tokens, state), `masks` the masks computed."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: set[int], preferred_eos: int | None = None):
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: set[int], preferred_eos: int | None = None,
+                 width: int | None = None):
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos = sorted(t for t in eos if t < vocab_size)
         self.end = preferred_eos if preferred_eos in self.eos else (self.eos[0] if self.eos else None)
         self.tokens: list[int] = []  # consumed, in order
-        self._bits = llguidance.torch.allocate_token_bitmask(1, vocab_size)
+        self._bits = llguidance.torch.allocate_token_bitmask(1, max(vocab_size, width or 0))
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._mask: torch.Tensor | None = None  # the current position's, until the state moves
         self.seconds = 0.0
@@ -198,8 +202,10 @@ class GrammarState:
             can_end = self.matcher.is_accepting() or self.matcher.is_stopped()
             if self.eos:
                 bits[self.eos] = can_end
-            if not bool(bits.any()):  # an error state: nothing is possible but to end
+            if not bool(bits.any()):  # complete, or an error state: nothing is possible but to end
                 bits[self.eos] = True
+                if not self.eos:  # a model without an end-of-sequence token goes on unconstrained
+                    bits[:] = True
             self._mask = bits
             self.masks += 1
             self.seconds += time.perf_counter() - start

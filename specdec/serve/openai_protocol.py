@@ -187,16 +187,6 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls")
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
 
-    @model_validator(mode="after")
-    def _content_or_calls(self):
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise PydanticCustomError("missing", "content is required (only an assistant's message with tool_calls "
-                                      "may leave it out)", {"param": "content"})
-        if self.tool_calls and self.role != "assistant":
-            raise PydanticCustomError("invalid_value", "only an assistant's message has tool_calls",
-                                      {"param": "tool_calls"})
-        return self
-
     def text(self) -> str:
         if self.content is None:
             return ""

@@ -218,7 +218,7 @@ def parse_predict(body: dict, settings: Settings) -> PredictParams:
 
 def request_schema(settings: Settings) -> dict:
     """The JSON Schema of a /predict body, from PredictRequest, with this server's limits and defaults."""
-    schema = PredictRequest.model_json_schema()
+    schema = PredictRequest.model_json_schema(ref_template="#/components/schemas/{model}")  # $defs: the document's
     props = schema["properties"]
     defaults = settings.sampling
     _bound(props["max_new_tokens"], maximum=settings.max_new_tokens_limit,

@@ -1,7 +1,7 @@
 """The command line on a tiny saved pair: every method, source marks, greedy equivalence, clean errors."""
 
-import json
 import io
+import json
 import os
 import re
 import subprocess

@@ -66,6 +66,7 @@ def valid(text: str, schema, tools) -> bool:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--only", default=None, help="comma-separated prompt ids (default: all)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max_new_tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -80,7 +81,10 @@ def main(argv=None):
     eos = eos_token_ids(target, tokenizer)
     compiler = GrammarCompiler(tokenizer, decoder.vocab_size)
     runs = []
-    for item in load_prompts(STRUCTURED_PROMPTS, args.limit):
+    items = load_prompts(STRUCTURED_PROMPTS, args.limit)
+    if args.only:
+        items = [item for item in items if item["id"] in args.only.split(",")]
+    for item in items:
         prompt, constraint, schema, tools = request(tokenizer, item)
         start = time.perf_counter()
         grammar = compiler.compile(constraint)

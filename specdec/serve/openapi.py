@@ -11,7 +11,7 @@ from .errors import ERROR_TYPES
 from .protocol import request_schema
 
 FINISH_REASONS = ["length", "stop", "time_limit"]
-SOURCES = ["draft", "lookup", "resampled", "bonus", "target"]
+SOURCES = ["draft", "lookup", "grammar", "resampled", "bonus", "target"]
 
 
 def _nullable(type_: str) -> dict:

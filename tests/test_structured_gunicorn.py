@@ -1,8 +1,9 @@
 """Structured outputs and tool calls through the official `openai` client, against a live gunicorn serving the
 saved tiny pair: `chat.completions.parse` with a pydantic model, response_format json_schema and json_object,
 vLLM's structured_outputs, tools under tool_choice required, a named function and auto, a full tool round trip,
-and streamed tool calls accumulated by the SDK's stream helper. The tiny models write nonsense, so each answer is
-checked for what the constraint promises: it parses and validates (jsonschema)."""
+and streamed tool calls accumulated by the SDK's stream helper; LangChain's ChatOpenAI with_structured_output
+(json_schema) and bind_tools with a tool round trip. The tiny models write nonsense, so each answer is checked for
+what the constraint promises: it parses and validates (jsonschema)."""
 
 import json
 
@@ -164,3 +165,31 @@ def test_bad_structured_inputs_are_400_naming_the_field(client):
             client.chat.completions.create(model="target", messages=MESSAGES, max_completion_tokens=5, **kwargs)
         assert raised.value.param == param and raised.value.type == "invalid_request_error"
     assert client.chat.completions.create(model="target", messages=MESSAGES, max_completion_tokens=5).choices
+
+
+# --- LangChain (langchain-openai) --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def chat_model(server):
+    langchain_openai = pytest.importorskip("langchain_openai")
+    return langchain_openai.ChatOpenAI(model="target", base_url=server.url + "/v1", api_key="any-key",
+                                       max_retries=0, timeout=120, max_completion_tokens=150, seed=6)
+
+
+def test_langchain_with_structured_output_json_schema(chat_model):
+    pet = chat_model.with_structured_output(Pet, method="json_schema").invoke("Describe a pet.")
+    assert isinstance(pet, Pet)
+
+
+def test_langchain_bind_tools_round_trip(chat_model):
+    from langchain_core.messages import HumanMessage, ToolMessage
+
+    with_tools = chat_model.bind_tools([ADD], tool_choice="add", parallel_tool_calls=False)
+    messages = [HumanMessage("What is 2 + 3?")]
+    reply = with_tools.invoke(messages)
+    assert [call["name"] for call in reply.tool_calls] == ["add"]
+    call = reply.tool_calls[0]
+    jsonschema.validate(call["args"], ADD["function"]["parameters"])
+    messages += [reply, ToolMessage(str(call["args"]["a"] + call["args"]["b"]), tool_call_id=call["id"])]
+    final = chat_model.bind_tools([ADD], tool_choice="none").invoke(messages)
+    assert isinstance(final.content, str) and final.content and not final.tool_calls

@@ -8,6 +8,8 @@ from specdec.text import encode_prompt
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
 GROUNDED_PROMPTS = Path(__file__).resolve().parent / "prompts_grounded.jsonl"
 PROMPT_SETS = {"default": DEFAULT_PROMPTS, "grounded": GROUNDED_PROMPTS}
+# structured outputs (bench/structured.py): each prompt has a JSON `schema`, or `tools` (a required tool call)
+STRUCTURED_PROMPTS = Path(__file__).resolve().parent / "prompts_structured.jsonl"
 
 
 def load_prompts(path, limit: int | None = None) -> list[dict]:

@@ -9,6 +9,7 @@ Without model flags the default pair is used. This is the only module that print
 """
 
 import argparse
+import json
 import logging
 import os
 import random
@@ -50,6 +51,7 @@ DRAFTER_TITLES = {"model": "the draft model proposing", "lookup": "prompt lookup
 SOURCE_STYLES = {
     "draft": ("d", "32", "draft token accepted by the target"),
     "lookup": ("l", "36", "prompt-lookup token accepted by the target"),
+    "grammar": ("g", "90", "token the grammar forced, accepted by the target"),
     "resampled": ("r", "34", "resampled by the target after a rejection"),
     "bonus": ("b", "35", "bonus token from the target (all proposals accepted)"),
     "target": ("t", "33", "sampled by one model alone (target or draft only)"),
@@ -142,6 +144,11 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
     parser.add_argument("--top_p", type=_sampling_flag("top_p", float, "must be in (0, 1]"), default=0.9,
                         help="nucleus sampling mass (default 0.9, as the earlier tool)")
     parser.add_argument("--chat", action="store_true", help="wrap the input in the target's chat template")
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument("--json-schema", "--json_schema", dest="json_schema", metavar="FILE", default=None,
+                            help="constrain the output to JSON following the schema in FILE (every method; the "
+                                 "grammar's forced tokens are proposed for free)")
+    constraint.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, "
                         "float16 or bfloat16")
@@ -221,12 +228,13 @@ def title(label: str, method: str, drafter: str) -> str:
     return TITLES[method] + (f", {DRAFTER_TITLES[drafter]}" if "+" in label else "")
 
 
-def benchmark(decoder, prompt, runs, args, seed: int) -> list[dict]:
+def benchmark(decoder, prompt, runs, args, seed: int, grammar=None) -> list[dict]:
     """Each (label, method, drafter) `args.repeats` times (seeds seed, seed+1, ...): generated tokens/s and speedup
     over target."""
     rows = []
     for label, method, drafter in runs:
-        stats = [decoder.generate(prompt, params=sampling_params(args, method, seed + i, drafter)).stats
+        stats = [decoder.generate(prompt, params=sampling_params(args, method, seed + i, drafter),
+                                  grammar=grammar).stats
                  for i in range(args.repeats)]
         rows.append({"method": label, **summed(stats)})
     baseline = next(row["tokens_per_second"] for row in rows if row["method"] == "target")
@@ -255,6 +263,27 @@ def lookup_settings(args) -> LookupSettings:
         raise SpecDecError(f"--{flag}: {error.message}", field=flag) from None
 
 
+def compile_constraint(args, tokenizer, vocab_size: int):
+    """--json-schema FILE or --regex compiled for the tokenizer; None without either."""
+    from .grammar import Constraint, GrammarCompiler
+
+    if args.json_schema is not None:
+        try:
+            with open(args.json_schema, encoding="utf-8") as file:
+                schema = json.load(file)
+        except json.JSONDecodeError as error:
+            raise SpecDecError(f"--json-schema: {args.json_schema} is not JSON: {error}", field="json_schema") from None
+        constraint = Constraint.json_schema(schema, field="json_schema")
+    elif args.regex is not None:
+        constraint = Constraint("regex", args.regex, field="regex")
+    else:
+        return None
+    try:
+        return GrammarCompiler(tokenizer, vocab_size).compile(constraint)
+    except SpecDecError as error:
+        raise SpecDecError(f"--{constraint.field.replace('_', '-')}: {error.message}", field=error.field) from None
+
+
 def run(args, out=None) -> int:
     """Load the pair, decode with each method, print; errors propagate to main."""
     from .engine import SpeculativeDecoder
@@ -273,6 +302,7 @@ def run(args, out=None) -> int:
     if args.chat and not getattr(tokenizer, "chat_template", None):
         raise SpecDecError("the target's tokenizer has no chat template; drop --chat", field="chat")
     prompt = encode_prompt(tokenizer, args.input, args.chat)
+    grammar = compile_constraint(args, tokenizer, decoder.vocab_size)
     decode = decoder_of(tokenizer)
     runs = decodings(args)
     seed = args.seed if args.seed is not None else random.randrange(2**31)  # one seed for all methods
@@ -285,7 +315,7 @@ def run(args, out=None) -> int:
               file=out)
         print(legend(SOURCE_STYLES, color), file=out)
     for label, method, drafter in runs:
-        result = decoder.generate(prompt, params=sampling_params(args, method, seed, drafter))
+        result = decoder.generate(prompt, params=sampling_params(args, method, seed, drafter), grammar=grammar)
         print(f"== {label}: {title(label, method, drafter)} ==", file=out)
         if args.verbose:
             print(render_sources(token_pieces(decode, result.token_ids, prompt), result.sources, color), file=out)
@@ -296,7 +326,7 @@ def run(args, out=None) -> int:
     if args.benchmark:
         bench_runs = [("target", "target", args.drafter)] + [run for run in runs if run[0] != "target"]
         print(f"== benchmark: {args.repeats} runs per method, {args.max_tokens} tokens each ==", file=out)
-        print(format_table(benchmark(decoder, prompt, bench_runs, args, seed)), file=out)
+        print(format_table(benchmark(decoder, prompt, bench_runs, args, seed, grammar)), file=out)
     return 0
 
 

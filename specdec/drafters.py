@@ -10,6 +10,9 @@ was drawn from, and the engine verifies the Proposal the same way whoever made i
   p with x removed, so no special case is needed for exactness.
 - HybridDrafter: at each position, the lookup's token where its match is at least `min_match` tokens long,
   else the draft model's.
+- GuidedDrafter: any of the three under a grammar (grammar.py): where the grammar forces a token, that token as
+  a one-hot proposal (drafter "grammar"); elsewhere the inner drafter's, the draft model's q masked to what the
+  grammar allows, a lookup token it forbids taken as no match.
 
 What proposes at each position depends only on the sequence before it (the committed tokens and this round's
 proposals before it), never on random draws or on where the round began: a proposed token continues the match
@@ -26,12 +29,13 @@ import torch
 
 from .kv_cache import CachedModel
 from .params import LookupSettings
-from .sampling import sample, token_probability
+from .sampling import mask_logits, sample, token_probability
 
-SOURCES = {"model": "draft", "lookup": "lookup"}  # drafter -> the source label of its accepted tokens
+SOURCES = {"model": "draft", "lookup": "lookup", "grammar": "grammar"}  # drafter -> the source label of its accepted tokens
 # NgramIndex.update slices n-grams one by one for at most this many new positions (a round's), and by zipped
 # slices for more (a prompt): each is the faster one there
 SMALL_UPDATE = 16
+MAX_FORCED = 32  # forced tokens proposed per round at most (each widens the target's forward by one)
 
 
 @dataclass
@@ -40,8 +44,10 @@ class Proposal:
 
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)
-    drafters: list[str] = field(default_factory=list)  # "model" | "lookup", per token
+    drafters: list[str] = field(default_factory=list)  # "model" | "lookup" | "grammar", per token
     stacked: torch.Tensor | None = None  # probs as one (k, V) tensor, where the drafter has it so already
+    # under a grammar: the (V,) bool mask of the tokens it allowed at each proposed position
+    allowed: list[torch.Tensor] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -120,11 +126,13 @@ class ModelDrafter:
         self.forward = forward  # the request's timed forward: (model, new tokens) -> logits of the last one
         self.confidence_threshold = confidence_threshold
 
-    def draw(self, seq: list[int], generator: torch.Generator) -> tuple[int, torch.Tensor, bool]:
+    def draw(self, seq: list[int], generator: torch.Generator,
+             allowed: torch.Tensor | None = None) -> tuple[int, torch.Tensor, bool]:
         """The draft's next token after seq, the distribution q it was drawn from, and whether the run may go on
-        after it (the draft's probability of it reaches confidence_threshold)."""
+        after it (the draft's probability of it reaches confidence_threshold). `allowed`: a grammar's (V,) mask,
+        applied to the logits before temperature, top-k and top-p, as for the target."""
         logits = self.forward(self.model, seq[self.model.length:])[-1]
-        q = self.probs(logits)
+        q = self.probs(logits if allowed is None else mask_logits(logits, allowed))
         token = sample(q, generator)
         go_on = (self.confidence_threshold <= 0
                  or token_probability(logits[: q.size(-1)], token) >= self.confidence_threshold)
@@ -258,3 +266,91 @@ class HybridDrafter:
 
     def rollback(self, length: int) -> None:
         self.model.rollback(length)
+
+
+class OneHotRows:
+    """(n, V) one-hot rows for deterministic proposals, in one buffer allocated once per request and reset entry
+    by entry (a fresh (k, V) tensor each round costs page faults at V = 151,936). Valid until the next call."""
+
+    def __init__(self, rows: int, vocab_size: int):
+        self.buffer = torch.zeros(rows, vocab_size)
+        self._set: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __call__(self, tokens: list[int]) -> torch.Tensor:
+        if self._set is not None:
+            self.buffer[self._set] = 0.0
+        self._set = (torch.arange(len(tokens)), torch.tensor(tokens))
+        self.buffer[self._set] = 1.0
+        return self.buffer[: len(tokens)]
+
+
+class GuidedDrafter:
+    """A drafter under a grammar. At each position: the token the grammar forces there, if `forced` and it
+    forces one (a one-hot q, drafter "grammar"); else the inner drafter's, the draft model drawing from its q
+    masked to the grammar's allowed tokens, and a lookup token the grammar forbids counting as no match.
+
+    `guide` is the request's grammar state (grammar.GrammarState), at the committed sequence's end when a round
+    starts; proposing advances it over the proposals (the engine rolls it back to what is committed). What is
+    proposed at a position still depends only on the sequence before it: the forced token and the mask are the
+    grammar's at that sequence. A cap (gamma for the draft model, the lookup's max_tokens, MAX_FORCED) ends the
+    round, as in HybridDrafter."""
+
+    name = "grammar"
+
+    def __init__(self, inner, guide, vocab_size: int, forced: bool = True):
+        self.inner, self.guide, self.forced = inner, guide, forced
+        self.model = inner if isinstance(inner, ModelDrafter) else getattr(inner, "model", None)
+        self.lookup = inner if isinstance(inner, LookupDrafter) else getattr(inner, "lookup", None)
+        self.settings = self.lookup.settings if self.lookup is not None else LookupSettings()
+        self.mixed = isinstance(inner, HybridDrafter)  # the lookup where it matches, the model elsewhere
+        self.one_hots = OneHotRows(MAX_FORCED + self.settings.max_tokens, vocab_size)
+
+    def _inner_token(self, seq: list[int], allowed: torch.Tensor, generator: torch.Generator):
+        """(token, q or None, drafter, go_on) from the inner drafter at this position, or None: no proposal."""
+        if self.lookup is not None:
+            token = self.lookup.next_token(seq)
+            if token is not None and bool(allowed[token]):
+                return token, None, "lookup", True
+            if not self.mixed:
+                return None
+        token, q, go_on = self.model.draw(seq, generator, allowed)
+        return token, q, "model", go_on
+
+    def propose(self, ids: list[int], gamma: int, limit: int, generator_at) -> Proposal:
+        if self.lookup is not None:
+            self.lookup.start(ids)
+        guide, proposal, seq = self.guide, Proposal(), list(ids)
+        caps = {"model": gamma, "lookup": self.settings.max_tokens, "grammar": MAX_FORCED}
+        counts = dict.fromkeys(caps, 0)
+        for i in range(limit):
+            allowed = guide.allowed()
+            forced = guide.forced() if self.forced else None
+            if forced is not None and bool(allowed[forced]):
+                token, q, drafter, go_on = forced, None, "grammar", True
+            else:
+                drawn = self._inner_token(seq, allowed, generator_at(i))
+                if drawn is None:
+                    break
+                token, q, drafter, go_on = drawn
+            firsts = [d for d in proposal.drafters if d != "grammar"]
+            if counts[drafter] >= caps[drafter] or (drafter != "grammar" and firsts and drafter != firsts[0]
+                                                     and not self.settings.extend):
+                break
+            proposal.add(token, q, drafter)
+            proposal.allowed.append(allowed)
+            counts[drafter] += 1
+            seq.append(token)
+            if token in guide.eos:  # nothing is proposed past the end
+                break
+            guide.advance(token)
+            if not go_on:
+                break
+        one_hot = [i for i, q in enumerate(proposal.probs) if q is None]
+        if one_hot:
+            rows = self.one_hots([proposal.tokens[i] for i in one_hot])
+            for i, row in zip(one_hot, rows.unbind(0)):
+                proposal.probs[i] = row
+        return proposal
+
+    def rollback(self, length: int) -> None:
+        self.inner.rollback(length)

@@ -17,8 +17,9 @@ import torch
 from . import verification
 from .adaptive import AdaptiveGamma, CostProfile
 from .compiled import cache_for
-from .drafters import SOURCES, HybridDrafter, LookupDrafter, LookupSettings, ModelDrafter, Proposal
+from .drafters import SOURCES, GuidedDrafter, HybridDrafter, LookupDrafter, LookupSettings, ModelDrafter, Proposal
 from .errors import SpecDecError
+from .grammar import CompiledGrammar, GrammarState
 from .kv_cache import CachedModel, context_length
 from .params import (
     ADAPTIVE_MAX_GAMMA,
@@ -32,7 +33,7 @@ from .params import (
 )
 from .prompt_cache import PromptCache, cache_length, reusable
 from .prompt_cache import crop as crop_cache
-from .sampling import TokenLogprobs, logits_to_probs, sample, token_logprobs
+from .sampling import TokenLogprobs, logits_to_probs, mask_logits, sample, token_logprobs
 from .stats import GenerationStats
 from .verification import accept_mask
 
@@ -122,8 +123,9 @@ class _Request:
     """All mutable state of one generate call: sequence, caches, RNG, counters and timers."""
 
     def __init__(self, prompt: list[int], params: SamplingParams, limit: int | None, seed: int, eos: set[int],
-                 vocab_size: int | None = None, cache_prompt: bool = False):
+                 vocab_size: int | None = None, cache_prompt: bool = False, guide: GrammarState | None = None):
         self.ids = list(prompt)
+        self.guide = guide  # the grammar's state, at the end of what is committed between rounds
         self.prompt_len = len(prompt)
         self.params = params
         # the prompt cache: consulted when the request starts and given the caches back when it ends
@@ -242,6 +244,8 @@ class _Request:
             self.first_chunk = (time.perf_counter() - self.started, len(tokens))
         self.ids.extend(tokens)
         self.sources.extend(sources)
+        if self.guide is not None:  # rejected proposals out, the committed tokens in
+            self.guide.sync(self.ids[self.prompt_len:])
         if self.finish_reason is None and self.budget() <= 0:
             self.finish_reason = "length"
         return Chunk(tokens, sources, logprobs, self.prompt_logprobs if first else None)
@@ -275,6 +279,8 @@ class _Request:
             proposed_by_drafter=dict(self.proposed_by_drafter), accepted_by_drafter=dict(self.accepted_by_drafter),
             rounds_by_drafter=dict(self.rounds_by_drafter),
             round_share_by_drafter={d: n / self.rounds for d, n in self.rounds_by_drafter.items()},
+            forced_tokens=self.accepted_by_drafter.get("grammar", 0) if self.guide is not None else None,
+            grammar_seconds=self.guide.seconds if self.guide is not None else None,
             finished=finished, cached_tokens=self.cached_tokens)
 
     def result(self) -> GenerationResult:
@@ -329,17 +335,19 @@ class SpeculativeDecoder:
                  eos_token_id=None, *, drafter: str = SamplingParams.drafter,
                  verification: str = SamplingParams.verification,
                  draft_confidence_threshold: float = SamplingParams.draft_confidence_threshold,
-                 params: SamplingParams | None = None) -> GenerationResult:
+                 params: SamplingParams | None = None, grammar: CompiledGrammar | None = None) -> GenerationResult:
         """Decode up to max_new_tokens after input_ids. gamma=None chooses the draft length adaptively.
 
         drafter: "model" (the draft model), "lookup" (prompt lookup) or "hybrid" (lookup where it matches, the
         model elsewhere); verification: "token" or "block"; draft_confidence_threshold: the draft model ends its
         run after a token it gave a probability below this (0: never). `params`, if given, is used instead of the
-        sampling keywords (max_new_tokens .. seed, drafter, verification, draft_confidence_threshold)."""
+        sampling keywords (max_new_tokens .. seed, drafter, verification, draft_confidence_threshold). `grammar`
+        (grammar.GrammarCompiler.compile's) constrains the output: the target's distribution with the tokens the
+        grammar forbids removed, at every position, before temperature, top-k and top-p."""
         stream = self.stream(input_ids, max_new_tokens=max_new_tokens, method=method, gamma=gamma,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                              drafter=drafter, verification=verification,
-                             draft_confidence_threshold=draft_confidence_threshold, params=params)
+                             draft_confidence_threshold=draft_confidence_threshold, params=params, grammar=grammar)
         while True:
             try:
                 next(stream)
@@ -351,7 +359,7 @@ class SpeculativeDecoder:
                eos_token_id=None, *, drafter: str = SamplingParams.drafter,
                verification: str = SamplingParams.verification,
                draft_confidence_threshold: float = SamplingParams.draft_confidence_threshold,
-               params: SamplingParams | None = None) -> Stream:
+               params: SamplingParams | None = None, grammar: CompiledGrammar | None = None) -> Stream:
         """Like `generate`, but yields each round's committed tokens as a Chunk and returns the GenerationResult.
 
         Arguments are checked here, before decoding starts. `send("stop")` ends decoding with finish_reason
@@ -370,9 +378,12 @@ class SpeculativeDecoder:
                 f"the prompt has {len(prompt)} tokens and leaves no room in the model context of "
                 f"{self.context_length} tokens", field="input_ids")
 
-        req = _Request(prompt, params, self.context_length, seed,
-                       eos_token_ids(self.target_model, eos_token_id=eos_token_id), self.vocab_size,
-                       cache_prompt=self.caches_prompt(params))
+        if grammar is not None and grammar.vocab_size != self.vocab_size:
+            raise SpecDecError(f"the grammar was compiled for {grammar.vocab_size} tokens, the pair has "
+                               f"{self.vocab_size}", field="grammar")
+        eos = eos_token_ids(self.target_model, eos_token_id=eos_token_id)
+        req = _Request(prompt, params, self.context_length, seed, eos, self.vocab_size,
+                       cache_prompt=self.caches_prompt(params), guide=None if grammar is None else grammar.start(eos))
         warper = _Warper(params.temperature, params.top_k, params.top_p, self.vocab_size)
         return Stream(req, self._run(req, warper))
 
@@ -441,7 +452,7 @@ class SpeculativeDecoder:
         while req.finish_reason is None:
             logits = req.forward(role, model, req.ids[model.length:]) if req.prefilled(role) \
                 else req.prefill(role, model)
-            token = sample(probs(logits[-1]), req.generator)
+            token = sample(probs(logits[-1], None if req.guide is None else req.guide.allowed()), req.generator)
             req.rounds += 1
             if (yield req.commit([token], ["target"], logits[-1:])) == "stop":
                 req.finish_reason = "stop"
@@ -455,9 +466,14 @@ class SpeculativeDecoder:
         lookup = LookupDrafter(self.vocab_size, self.lookup,
                                min_match=self.lookup.hybrid_min_match if kind == "hybrid" else None)
         if kind == "lookup":
-            return lookup
-        model = ModelDrafter(req.cache_for("draft", self.draft_model), probs, forward, req.params.draft_confidence_threshold)
-        return model if kind == "model" else HybridDrafter(model, lookup, self.lookup)
+            drafter = lookup
+        else:
+            model = ModelDrafter(req.cache_for("draft", self.draft_model), probs, forward,
+                                 req.params.draft_confidence_threshold)
+            drafter = model if kind == "model" else HybridDrafter(model, lookup, self.lookup)
+        if req.guide is None:
+            return drafter
+        return GuidedDrafter(drafter, req.guide, self.vocab_size, forced=req.params.grammar_drafter)
 
     def _speculate(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:
         """Google (Leviathan et al. Alg. 1) or DeepMind (Chen et al. Alg. 2) speculative sampling: the drafter
@@ -481,9 +497,10 @@ class SpeculativeDecoder:
             proposal = drafter.propose(req.ids, gamma, limit, lambda i: generator)
             k = len(proposal)
 
-            # 2. the target scores all k + 1 positions in one forward: p_1 .. p_{k+1}
+            # 2. the target scores all k + 1 positions in one forward: p_1 .. p_{k+1} (each masked by the grammar
+            # at the sequence it follows)
             logits = self._score(req, target, proposal.tokens)
-            p = probs(logits)
+            p = probs(logits, self._masks(req, proposal, k + 1))
 
             # 3. keep a prefix of the proposals, then draw the next token (resampled, or the bonus after all k)
             accepted, next_probs = self._verify(req, proposal, p, lambda i: generator)
@@ -533,13 +550,13 @@ class SpeculativeDecoder:
             k = len(proposal)
             if k:
                 logits = self._score(req, target, proposal.tokens[:-1])
-                p = probs(logits)
+                p = probs(logits, self._masks(req, proposal, k))
                 # no bonus row (all k accepted ends the round): a zero row stands in for it, never drawn from
                 accepted, next_probs = self._verify(req, proposal, torch.cat((p, p.new_zeros(1, p.size(-1)))),
                                                     generator_at)
             else:  # nothing proposed: the target draws this position's token alone
                 logits = self._score(req, target, [])
-                p = probs(logits)
+                p = probs(logits, self._masks(req, proposal, 1))
                 accepted, next_probs = 0, p[0]
             tokens = proposal.tokens[:accepted]
             if accepted < k or not k:
@@ -568,6 +585,17 @@ class SpeculativeDecoder:
             return req.forward("target", target, req.ids[target.length:] + extra, keep=len(extra) + 1)
         first = req.prefill("target", target)
         return torch.cat((first, req.forward("target", target, extra, keep=len(extra)))) if extra else first
+
+    @staticmethod
+    def _masks(req: _Request, proposal: Proposal, rows: int) -> torch.Tensor | None:
+        """Under a grammar, (rows, V): the mask at each proposed position, then the one after the proposals (the
+        grammar state stands there after proposing); None without one."""
+        if req.guide is None:
+            return None
+        masks = proposal.allowed[:rows]
+        if len(masks) < rows:
+            masks = masks + [req.guide.allowed()]
+        return torch.stack(masks)
 
     @staticmethod
     def _sources(proposal: Proposal, accepted: int, k: int) -> list[str]:
@@ -627,5 +655,10 @@ class _Warper:
     def __init__(self, temperature: float, top_k: int, top_p: float, vocab_size: int):
         self.temperature, self.top_k, self.top_p, self.vocab_size = temperature, top_k, top_p, vocab_size
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits_to_probs(logits[..., : self.vocab_size], self.temperature, self.top_k, self.top_p)
+    def __call__(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+        """(..., V') logits -> (..., V) probabilities; `allowed`, a grammar's (..., V) mask, removes the tokens it
+        forbids first."""
+        logits = logits[..., : self.vocab_size]
+        if allowed is not None:
+            logits = mask_logits(logits, allowed)
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)

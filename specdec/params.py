@@ -31,6 +31,9 @@ class SamplingParams:
     verifies (verification.py), and the draft model's probability of its own token below which it ends its run
     before gamma (0: never; gamma stays the most it proposes).
 
+    `grammar_drafter`: under a grammar constraint, propose the tokens the grammar forces (drafters.GuidedDrafter)
+    before the drafter goes on; without a constraint it changes nothing.
+
     `logprobs` (None: off) reports each generated token's log-probability under the target's raw distribution
     (log-softmax of its logits, before temperature, top-k and top-p) with that many most likely alternatives;
     `prompt_logprobs` the same for the prompt's tokens, from the prefill. With `prompt_logprobs`, max_new_tokens
@@ -50,6 +53,7 @@ class SamplingParams:
     drafter: str = "model"
     verification: str = "token"
     draft_confidence_threshold: float = 0.0
+    grammar_drafter: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     cache_prompt: bool = True
@@ -81,6 +85,9 @@ class SamplingParams:
                                field="draft_confidence_threshold")
         if not isinstance(self.cache_prompt, bool):
             raise SpecDecError(f"cache_prompt must be true or false, got {self.cache_prompt!r}", field="cache_prompt")
+        if not isinstance(self.grammar_drafter, bool):
+            raise SpecDecError(f"grammar_drafter must be true or false, got {self.grammar_drafter!r}",
+                               field="grammar_drafter")
         object.__setattr__(self, "draft_confidence_threshold", threshold)
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)

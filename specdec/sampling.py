@@ -58,6 +58,12 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int =
     return warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
 
 
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """A grammar's mask on (..., V') logits: (..., V) with every token `allowed` ((..., V) bool, V <= V') does not
+    allow at -inf, so the warpers and the softmax after it see the allowed tokens only."""
+    return logits[..., : allowed.size(-1)].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
 def token_probability(logits: torch.Tensor, token: int) -> float:
     """softmax(logits)[token], the model's own probability of `token` (no temperature, top-k or top-p), from the
     (V,) logits without materialising the softmax: exp(logits[token] - logsumexp(logits))."""

@@ -53,6 +53,10 @@ class GenerationStats(Mapping):
     # target drew the token alone), as counts and as shares of all rounds
     rounds_by_drafter: dict[str, int] = field(default_factory=dict)
     round_share_by_drafter: dict[str, float] = field(default_factory=dict)
+    # under a grammar constraint: the accepted proposals the grammar forced, and the seconds spent in the grammar
+    # (masks, forced tokens, consuming and rolling back); None without a constraint
+    forced_tokens: int | None = None
+    grammar_seconds: float | None = None
     finished: bool = True  # False: abandoned (client gone, error) before the engine returned
     queue_seconds: float | None = None  # the service's wait for the engine; None outside the service
     # prompt tokens the target did not prefill because the prompt cache held their keys and values from an earlier

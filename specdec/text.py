@@ -13,12 +13,14 @@ from .errors import SpecDecError
 PROMPT_CONTEXT = 6  # prompt tokens decoded along with the first new ones, so a leading space survives
 
 
-def encode_messages(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Token ids of chat messages ({"role", "content"} with string content) through the tokenizer's chat
-    template, with the generation prompt added: ready for the assistant's reply."""
+def encode_messages(tokenizer, messages: Sequence[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of chat messages ({"role", "content"} with string content, an assistant's "tool_calls") through
+    the tokenizer's chat template, with the generation prompt added: ready for the assistant's reply. `tools`
+    (OpenAI's function tools) go to the template, which writes them into the prompt."""
     if not getattr(tokenizer, "chat_template", None):
         raise SpecDecError("the target's tokenizer has no chat template", field="chat")
-    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=False,
+                                         add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
 
 

@@ -1,6 +1,7 @@
 """The command line on a tiny saved pair: every method, source marks, greedy equivalence, clean errors."""
 
 import io
+import json
 import os
 import re
 import subprocess
@@ -215,3 +216,21 @@ def test_main_py_and_module_run_without_traceback(pair_args):
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2
     assert bad.stderr.strip() == "python -m specdec: error: argument --top_p: must be in (0, 1], got 2 (see --help)"
+
+
+def test_json_schema_and_regex_constrain_every_method(pair_args, capsys, tmp_path):
+    schema = {"type": "object", "required": ["n"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    assert main(pair_args + ["--json-schema", str(path), "-M", "40", "--temperature", "0"]) == 0
+    texts = completions(capsys.readouterr().out)
+    assert texts and all(json.loads(text) in ({"n": n} for n in range(10)) for text in texts.values())
+    assert main(pair_args + ["--regex", "[a-c]{3}!", "-M", "10", "--method", "google", "-v"]) == 0
+    out = capsys.readouterr().out
+    assert "[g:!]" in out or "\x1b[90m!" in out  # the forced "!" marked as the grammar's
+    assert main(pair_args + ["--regex", "(unclosed"]) == 2
+    assert "--regex: invalid or unsupported regex" in capsys.readouterr().err
+    path.write_text("{not json")
+    assert main(pair_args + ["--json-schema", str(path)]) == 2
+    assert "--json-schema" in capsys.readouterr().err

@@ -12,7 +12,7 @@ LAYERS = {
     0: ("errors", "params", "stats", "sampling", "verification", "adaptive"),  # the math and the contracts
     1: ("kv_cache", "compiled", "prompt_cache", "cpu", "threads"),  # models' caches (dynamic, static and compiled, and
     # those kept across requests), the CPU kernels, OS threads
-    2: ("engine", "drafters", "models", "text"),  # the engine and what feeds it
+    2: ("engine", "drafters", "grammar", "models", "text"),  # the engine and what feeds it
     3: ("cli", "serve", "default_pair", "__main__", "__init__"),  # the interfaces (default_pair: the prepare command)
 }
 # Model loading, one module per job: a module of specdec.models may import only those before it.

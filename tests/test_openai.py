@@ -8,7 +8,9 @@ import logging
 
 import pytest
 import torch
+from pydantic import ValidationError
 
+from specdec.errors import SpecDecError
 from specdec.serve.errors import ApiError
 from specdec.serve.openai_protocol import (
     ChatCompletion,
@@ -417,9 +419,23 @@ REFUSED = [  # (route, field values, param, code)
     ("completions", {"presence_penalty": 0.5}, "presence_penalty", "unsupported_value"),
     ("chat", {"frequency_penalty": -1}, "frequency_penalty", "unsupported_value"),
     ("chat", {"logit_bias": {"5": 10}}, "logit_bias", "unsupported_value"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format", "unsupported_value"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "unsupported_value"),
-    ("chat", {"tool_choice": "auto"}, "tool_choice", "unsupported_value"),
+    ("chat", {"response_format": {"type": "json_schema"}}, "response_format", "invalid_value"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format.json_schema.schema", "invalid_value"),
+    ("completions", {"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "invalid_value"),
+    ("completions", {"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "invalid_value"),
+    ("chat", {"structured_outputs": {"grammar": "start: nothing_defined"}}, "structured_outputs.grammar",
+     "invalid_value"),
+    ("chat", {"structured_outputs": {"json": {"type": "object", "description": "x" * 70_000}}},
+     "structured_outputs.json", "invalid_value"),  # over the size limit
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name",
+     "invalid_value"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
+    ("chat", {"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name",
+     "missing_required_parameter"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name", "invalid_value"),
+    ("chat", {"tool_choice": "auto"}, "tool_choice", "invalid_value"),  # without tools
     ("chat", {"functions": [{"name": "f"}]}, "functions", "unsupported_value"),
     ("completions", {"echo": 1}, "echo", "invalid_value"),
     ("completions", {"best_of": 2}, "best_of", "unsupported_value"),
@@ -460,7 +476,7 @@ REFUSED = [  # (route, field values, param, code)
     ("completions", {"prompt": ["p"] * 17}, "prompt", "invalid_value"),  # max_prompts_per_request is 16
     ("completions", {"prompt": ""}, "prompt", "invalid_value"),
     ("chat", {"messages": []}, "messages", "invalid_value"),
-    ("chat", {"messages": [{"role": "tool", "content": "42"}]}, "messages[0].role", "invalid_value"),
+    ("chat", {"messages": [{"role": "function", "content": "42"}]}, "messages[0].role", "invalid_value"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content", "invalid_value"),
     ("chat", {"model": None}, "model", "invalid_value"),
@@ -608,7 +624,7 @@ def test_openapi_describes_the_v1_routes(pair):
     responses = document["paths"]["/v1/chat/completions"]["post"]["responses"]
     assert {"200", "400", "404", "413", "415", "503"} <= set(responses)
     assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/OpenAIErrorResponse")
-    assert "const" not in json.dumps(document)  # OpenAPI 3.0 has no const
+    assert '"const":' not in json.dumps(document)  # OpenAPI 3.0 has no const
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -626,11 +642,16 @@ def test_schemathesis_against_the_v1_routes(pair, path, mode):
     def fits(body: dict) -> bool:  # the document cannot say how many tokens a text makes
         try:
             if "messages" in body:
-                prompts = [service.encode(messages=ChatCompletionRequest.model_validate(body).chat_messages())]
+                request = ChatCompletionRequest.model_validate(body)
+                prompts = [service.encode(messages=request.chat_messages(), tools=request.template_tools())]
             else:  # token ids: in the vocabulary (the document cannot say how large it is)
+                request = CompletionRequest.model_validate(body)
                 prompts = [service.check_token_ids(prompt) if isinstance(prompt, list) else service.encode(prompt)
-                           for prompt in CompletionRequest.model_validate(body).prompts]
-        except ApiError:  # over the context by itself
+                           for prompt in request.prompts]
+            service.grammar(request.constraint())
+        except (ApiError, SpecDecError, ValidationError):
+            # over the context by itself; a grammar, or a rule across fields (exactly one structured output, a
+            # tool_choice naming one of the tools), the document cannot state
             return False
         room = body.get("max_tokens") if body.get("max_tokens") is not None else body.get("max_completion_tokens")
         return all(len(ids) + (1 if room is None else room) <= 256 for ids in prompts)

@@ -249,15 +249,17 @@ def test_chat_logprobs_streamed_and_not(client, reference):
     (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, logprobs=True, top_logprobs=21),
      "top_logprobs"),
     (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, top_logprobs=2), "top_logprobs"),
-    (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, response_format={"type": "json_object"}),
-     "response_format"),
+    (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+     "response_format.json_schema.schema"),
     (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, tools=[
-        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]), "tools"),
+        {"type": "function", "function": {"parameters": {"type": "object"}}}]), "tools[0].function.name"),
     (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, max_completion_tokens=5000),
      "max_completion_tokens"),
     (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, extra_body={"gamma": 0}), "gamma"),
-    (lambda c: c.chat.completions.create(model="target", messages=[{"role": "tool", "content": "4",
-                                                                    "tool_call_id": "x"}]), "messages[0].role"),
+    (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, tools=[
+        {"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}),
+     "tool_choice.function.name"),
 ])
 def test_invalid_requests_raise_bad_request_error_with_the_param(client, call, param):
     with pytest.raises(openai.BadRequestError) as raised:

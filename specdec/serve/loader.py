@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from ..engine import SpeculativeDecoder, eos_token_ids
 from ..errors import SpecDecError
+from ..grammar import GrammarCompiler
 from ..kv_cache import input_device
 from ..models.startup import startup_step
 from ..prompt_cache import default_budget, memory_bytes, weights_bytes
@@ -21,6 +22,7 @@ from .concurrency import EngineThread
 from .config import Settings
 from .errors import ApiError
 from .metrics import peak_resident_memory_bytes, resident_memory_bytes
+from .structured import CALL_BEGIN, CALL_END
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class ModelHost:
         self.decoder: SpeculativeDecoder | None = None
         self.tokenizer = None
         self.eos_token_ids: list[int] = []
+        self.grammars: GrammarCompiler | None = None  # structured outputs' compiler, for the served tokenizer
+        self.special_tool_tokens = False  # <tool_call> and </tool_call> are tokens of the tokenizer
         self.info: dict = {}
         self.load_error: str | None = None
         self._on_ready = on_ready
@@ -89,6 +93,10 @@ class ModelHost:
                          "load_seconds": round(time.perf_counter() - start, 2),
                          "resident_memory_bytes": resident_memory_bytes(),
                          "peak_resident_memory_bytes": peak_resident_memory_bytes()}
+            with startup_step("built the grammar tables (structured outputs)"):
+                self.grammars = grammar_compiler(tokenizer, decoder.vocab_size)
+                self.special_tool_tokens = all(tokenizer.convert_tokens_to_ids(token) not in (None, tokenizer.unk_token_id)
+                                               for token in (CALL_BEGIN, CALL_END))
             self.tokenizer, self.decoder = tokenizer, decoder
             self._on_ready(self.info["load_seconds"])
             logger.info("models ready in %.1f s, resident memory %s (peak %s): %s", self.info["load_seconds"],
@@ -104,6 +112,16 @@ class ModelHost:
                 callback(message)
         finally:
             self._loaded.set()
+
+
+def grammar_compiler(tokenizer, vocab_size: int) -> GrammarCompiler | None:
+    """The compiler of structured outputs' grammars, or None (logged) for a tokenizer llguidance cannot read."""
+    try:
+        return GrammarCompiler(tokenizer, vocab_size)
+    except Exception as error:  # noqa: BLE001 - the service runs on without structured outputs
+        logger.warning("structured outputs are off: llguidance cannot read the tokenizer (%s: %s)",
+                       type(error).__name__, error)
+        return None
 
 
 def load_configured_pair(settings: Settings):

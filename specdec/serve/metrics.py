@@ -66,6 +66,15 @@ class Metrics:
                                         registry=self.registry)
         self.prompt_cache_budget = Gauge("specdec_prompt_cache_budget_bytes", "The prompt cache's byte budget "
                                          "(0: off)", registry=self.registry)
+        # per drafter (model, lookup, grammar: the grammar's forced tokens under a constraint)
+        self.proposed_by_drafter = Counter("specdec_draft_tokens_proposed_by_drafter", "Draft tokens proposed to "
+                                           "the target, by drafter", ["drafter"], registry=self.registry)
+        self.accepted_by_drafter = Counter("specdec_draft_tokens_accepted_by_drafter", "Draft tokens the target "
+                                           "accepted, by drafter", ["drafter"], registry=self.registry)
+        self.forced_tokens = Counter("specdec_grammar_forced_tokens", "Accepted proposals that a structured "
+                                     "output's grammar forced", registry=self.registry)
+        self.grammar_seconds = Counter("specdec_grammar_seconds", "Seconds spent in structured outputs' grammars "
+                                       "(masks, forced tokens, consuming and rolling back)", registry=self.registry)
         self.queue_depth = Gauge("specdec_queue_depth", "Requests waiting for the engine", registry=self.registry)
         self.busy = Gauge("specdec_engine_busy", "1 while a request is decoding", registry=self.registry)
         self.ready = Gauge("specdec_ready", "1 once both models are loaded", registry=self.registry)
@@ -98,6 +107,13 @@ class Metrics:
         if stats.cached_tokens is not None:
             (self.prompt_cache_hits if stats.cached_tokens else self.prompt_cache_misses).inc()
             self.cached_prompt_tokens.inc(stats.cached_tokens)
+        for counter, counts in ((self.proposed_by_drafter, stats.proposed_by_drafter),
+                                (self.accepted_by_drafter, stats.accepted_by_drafter)):
+            for drafter, count in counts.items():
+                counter.labels(drafter).inc(count)
+        if stats.forced_tokens is not None:
+            self.forced_tokens.inc(stats.forced_tokens)
+            self.grammar_seconds.inc(stats.grammar_seconds)
 
     def observe_prompt_cache(self, held) -> None:
         """What the prompt cache holds after a request (a prompt_cache.Held)."""

@@ -2,7 +2,8 @@
 requests (strict types; unknown fields and unsupported features refused, never ignored), the answers, their
 streamed chunks, the model list and the error shape. /openapi.json's /v1 schemas are generated from them.
 
-A field OpenAI defines but this server does not implement (n > 1, penalties, tools, ...) is accepted only at its
+Structured outputs (response_format, vLLM's structured_outputs) and tool calls take their shapes from
+structured.py. A field OpenAI defines but this server does not implement (n > 1, penalties, ...) is accepted only at its
 no-op value (or null), so a client that sends the default still works and one that asks for the feature gets a
 400 naming it. The sampling fields (logprobs among them) map onto SamplingParams through protocol.sampling_params.
 """
@@ -43,10 +44,23 @@ from .protocol import (
     sampling_params,
     temperature_field,
 )
+from .structured import (
+    MAX_TOOLS,
+    Constraint,
+    ResponseFormat,
+    StructuredOutputs,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    check_tools,
+    request_constraint,
+    template_messages,
+    tool_constraint,
+)
 
 OPENAI_PREFIX = "/v1"
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
-FINISH_REASONS = ("stop", "length")  # a time limit reads as "length": the completion was cut short
+FINISH_REASONS = ("stop", "length", "tool_calls")  # a time limit reads as "length": the completion was cut short
 # our error types -> OpenAI's error codes, where they differ
 CODES = {"invalid_field": "invalid_value", "prompt_too_long": "context_length_exceeded",
          "unauthorized": "invalid_api_key"}
@@ -123,7 +137,9 @@ def _token_ids(ids: list[int]) -> None:
 
 
 def _text_content(value):
-    """A message's `content`: a string, or a list of {"type": "text", "text"} parts."""
+    """A message's `content`: a string, or a list of {"type": "text", "text"} parts (or null)."""
+    if value is None:
+        return value
     if isinstance(value, list):
         for part in value:
             kind = part.get("type") if isinstance(part, dict) else None
@@ -161,17 +177,30 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message of the conversation; it goes through the target's chat template."""
+    """One message of the conversation; it goes through the target's chat template (with an assistant's tool
+    calls, and the tools' answers as role tool)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    role: Literal["system", "developer", "user", "assistant"] = Field(
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="developer is OpenAI's newer name for system, and goes to the template as system")
-    content: Annotated[Text | list[TextPart], BeforeValidator(_text_content)] = Field(
-        description="a string, or text parts (joined with newlines)")
+    content: Annotated[Text | list[TextPart] | None, BeforeValidator(_text_content)] = Field(
+        None, description="a string, or text parts (joined with newlines); null for an assistant's tool calls")
+    tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls")
+    tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
+
+    def for_template(self) -> dict:
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
@@ -213,6 +242,24 @@ class _Request(BaseModel):
     draft_confidence_threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
                                                      description="extension: " + CONFIDENCE_DESCRIPTION)
     cache_prompt: bool | None = Field(None, description="extension: " + CACHE_PROMPT_DESCRIPTION)
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object (any JSON object) or json_schema (the answer follows the schema)")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="extension (vLLM's): json, regex, choice or grammar constrain the answer")
+    grammar_drafter: bool | None = Field(None, description="extension: under a constraint, propose the tokens the "
+                                                           "grammar forces (default true)")
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise PydanticCustomError("invalid_value", "give response_format or structured_outputs, not both",
+                                      {"param": "structured_outputs"})
+        return self
+
+    def constraint(self, special_tool_tokens: bool = False) -> Constraint | None:
+        """What the answer must match, if anything."""
+        return request_constraint(self.response_format, self.structured_outputs)
 
     @property
     def max_tokens_field(self) -> str:
@@ -309,15 +356,12 @@ class ChatCompletionRequest(_Request):
                                                     "raw logits, before temperature, top-k and top-p")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS,
                                      description="with logprobs: this many most likely alternatives per token")
-    response_format: _no_op_only(
-        {"type": "object", "required": ["type"], "additionalProperties": False,
-         "properties": {"type": {"type": "string", "enum": ["text"]}}},
-        ({"type": "text"},), "no JSON mode or structured output (only {\"type\": \"text\"})") = None
-    tools: _no_op_only({"type": "array", "maxItems": 0}, ([],), "function calling is not supported (only an empty list)") = None
-    tool_choice: _no_op_only({"type": "string", "enum": ["none"]}, ("none",),
-                             "function calling is not supported (only \"none\")") = None
-    parallel_tool_calls: _no_op_only({"type": "boolean"}, (True, False),
-                                     "accepted: without tools it changes nothing") = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="functions the model may call; "
+                                     "they go into the prompt through the chat template")
+    tool_choice: ToolChoice | None = Field(None, description="none, auto (the default with tools), required, or "
+                                                             "a named function; required and named constrain the "
+                                                             "answer to calls, auto each call once it starts")
+    parallel_tool_calls: bool | None = Field(None, description="more than one call in an answer (default true)")
     functions: _no_op_only({"type": "array", "maxItems": 0}, ([],),
                            "function calling is not supported (only an empty list)") = None
     function_call: _no_op_only({"type": "string", "enum": ["none"]}, ("none",),
@@ -331,7 +375,23 @@ class ChatCompletionRequest(_Request):
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("invalid_value", "top_logprobs needs logprobs: true",
                                       {"param": "top_logprobs"})
+        check_tools(self.tools, self.tool_choice)
+        if self.calls_tools and (self.structured_outputs is not None or self.response_format is not None
+                                 and self.response_format.type != "text"):
+            raise PydanticCustomError("invalid_value", "a response_format or structured_outputs cannot be combined "
+                                      "with tools (unless tool_choice is none)", {"param": "tool_choice"})
         return self
+
+    @property
+    def calls_tools(self) -> bool:
+        """Tools are offered, and tool_choice is not none: the answer may hold tool calls."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def constraint(self, special_tool_tokens: bool = False) -> Constraint | None:
+        if self.calls_tools:
+            return tool_constraint(self.tools, self.tool_choice or "auto", self.parallel_tool_calls is not False,
+                                   special_tool_tokens)
+        return super().constraint()
 
     def sampling_fields(self) -> dict:
         return {**super().sampling_fields(), "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
@@ -345,8 +405,11 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def chat_messages(self) -> list[dict]:
-        return [{"role": "system" if message.role == "developer" else message.role, "content": message.text()}
-                for message in self.messages]
+        return template_messages([message.for_template() for message in self.messages])
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as the chat template takes them (none with tool_choice none)."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.calls_tools else None
 
 
 def parse(model: type[_Request], body: dict) -> _Request:
@@ -419,6 +482,13 @@ class SpeculativeDecodingStats(BaseModel):
     num_accepted_tokens_per_pos: list[int] = Field(
         description="[i]: rounds whose draft token at position i (0-based) was accepted, for every position "
                     "proposed in the request (zeros included)")
+    num_draft_tokens_by_drafter: dict[str, int] = Field(
+        default_factory=dict, description="num_draft_tokens by drafter: model, lookup, grammar (forced tokens)")
+    num_accepted_tokens_by_drafter: dict[str, int] = Field(default_factory=dict,
+                                                           description="num_accepted_tokens by drafter")
+    num_forced_tokens: int | None = Field(None, description="under a constraint: accepted tokens the grammar forced")
+    grammar_seconds: float | None = Field(None, description="under a constraint: seconds spent in the grammar "
+                                                            "(masks, forced tokens, state)")
 
     @classmethod
     def of(cls, stats) -> "SpeculativeDecodingStats | None":
@@ -429,7 +499,10 @@ class SpeculativeDecodingStats(BaseModel):
                    num_drafts=stats.drafts, num_draft_tokens=stats.proposed,
                    num_accepted_tokens=stats.accepted, draft_acceptance_rate=stats.acceptance_rate,
                    mean_acceptance_length=stats.mean_acceptance_length,
-                   num_accepted_tokens_per_pos=list(stats.accepted_per_position))
+                   num_accepted_tokens_per_pos=list(stats.accepted_per_position),
+                   num_draft_tokens_by_drafter=dict(stats.proposed_by_drafter),
+                   num_accepted_tokens_by_drafter=dict(stats.accepted_by_drafter),
+                   num_forced_tokens=stats.forced_tokens, grammar_seconds=stats.grammar_seconds)
 
 
 class PromptTokensDetails(BaseModel):
@@ -497,9 +570,12 @@ class ChoiceLogprobs(BaseModel):
     content: list[TokenLogprob] | None
 
 
-class ChatCompletionMessage(BaseModel):
+class ChatCompletionMessage(_Omitting):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"tool_calls"})
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = Field(None, description="the calls the answer makes, if any")
 
 
 class ChatChoice(_Omitting):
@@ -518,11 +594,28 @@ class ChatCompletion(_Answer):
     usage: CompletionUsage
 
 
+class FunctionCallDelta(_Omitting):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"name"})
+
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallDelta(_Omitting):
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"id", "type"})
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChoiceDelta(_Omitting):
-    omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "content"})
+    omit_if_none: ClassVar[frozenset[str]] = frozenset({"role", "content", "tool_calls"})
 
     role: Literal["assistant"] | None = Field(None, description="in the first chunk only")
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(None, description="a call's id and name, then its arguments")
 
 
 class ChunkChoice(_Omitting):

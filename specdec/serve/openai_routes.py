@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from flask import Blueprint, current_app, g, request
 
+from ..errors import SpecDecError
 from ..text import token_pieces
 from .errors import ApiError, to_api_error
 from .generation import Generation, sse
@@ -28,17 +29,20 @@ from .openai_protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionUsage,
+    FunctionCallDelta,
     Model,
     ModelList,
     ModelMetadata,
     SpeculativeDecodingStats,
     TokenLogprob,
+    ToolCallDelta,
     TopLogprob,
     fingerprint,
     openai_error,
     parse,
 )
 from .protocol import read_json_object
+from .structured import parse_tool_calls
 
 openai_routes = Blueprint("openai", __name__, url_prefix="/v1")
 DONE = "data: [DONE]\n\n"
@@ -94,10 +98,11 @@ def completions():
     if len(prompts) > limit:
         raise ApiError(400, "invalid_value", f"prompt: at most {limit} prompts may be sent in one request, got "
                                              f"{len(prompts)}", "prompt")
+    grammar = svc.grammar(constrained(req, svc))
     prompt_ids = [svc.check_token_ids(prompt, "prompt") if isinstance(prompt, list)
                   else svc.encode(prompt, field_name="prompt") for prompt in prompts]
     echoes = [prompt if isinstance(prompt, str) else svc.decode(prompt) for prompt in prompts] if req.echo else None
-    return answer(svc, req, prompt_ids, sampling, "prompt", chat=False, echoes=echoes)
+    return answer(svc, req, prompt_ids, sampling, "prompt", chat=False, echoes=echoes, grammar=grammar)
 
 
 @openai_routes.post("/chat/completions")
@@ -107,8 +112,18 @@ def chat_completions():
                                                         svc.settings.body_timeout))
     sampling = req.sampling(svc.settings)
     check_model(svc, req.model)
-    prompt_ids = svc.encode(messages=req.chat_messages(), field_name="messages")
-    return answer(svc, req, [prompt_ids], sampling, "messages", chat=True)
+    grammar = svc.grammar(constrained(req, svc))
+    prompt_ids = svc.encode(messages=req.chat_messages(), field_name="messages", tools=req.template_tools())
+    return answer(svc, req, [prompt_ids], sampling, "messages", chat=True, grammar=grammar)
+
+
+def constrained(req, svc):
+    """The request's constraint (structured outputs, or its tool calls' grammar); a 400 naming the field that
+    cannot make one."""
+    try:
+        return req.constraint(svc.special_tool_tokens)
+    except SpecDecError as error:
+        raise ApiError(400, "invalid_value", error.message, error.field) from None
 
 
 def check_model(svc, name: str) -> None:
@@ -119,15 +134,16 @@ def check_model(svc, name: str) -> None:
 
 
 def answer(svc, req, prompts: list[list[int]], sampling, prompt_field: str, chat: bool,
-           echoes: list[str] | None = None):
+           echoes: list[str] | None = None, grammar=None):
     """Fit each completion into the context, start decoding, answer as JSON or as a stream."""
     samplings = [sampling.replace(max_new_tokens=room(svc, ids, sampling.max_new_tokens,
                                                       req.requested_max_tokens is not None, req.max_tokens_field,
                                                       prompt_field)) for ids in prompts]
-    choices = Choices(svc, g.record, prompts, samplings, req.stop_strings, echoes)
+    choices = Choices(svc, g.record, prompts, samplings, req.stop_strings, echoes, grammar)
     reply = Reply(chat=chat, id=("chatcmpl-" if chat else "cmpl-") + g.record.request_id, created=int(time.time()),
                   model=served_model(svc), fingerprint=fingerprint(svc.models.info, svc.settings),
-                  include_usage=req.include_usage, logprobs=sampling.logprobs is not None)
+                  include_usage=req.include_usage, logprobs=sampling.logprobs is not None,
+                  tools=chat and req.calls_tools)
     return svc.respond(choices, bool(req.stream), events=reply.events, body=reply.body)
 
 
@@ -146,23 +162,28 @@ def room(svc, prompt_ids: list[int], max_tokens: int, requested: bool, max_field
                    prompt_field)
 
 
-def finish_reason(generation: Generation) -> str:
-    return "stop" if generation.finish_reason() == "stop" else "length"  # a time limit cut it short too
+def finish_reason(generation: Generation, calls: bool = False) -> str:
+    """stop, length (a time limit cut it short too), or tool_calls (it stopped after making calls)."""
+    if generation.finish_reason() == "stop":
+        return "tool_calls" if calls else "stop"
+    return "length"
 
 
 class Choices:
     """A /v1 request's generations, one per prompt (a choice each), decoded one after another. Several prompts
     hold the engine for the whole request; each generation starts when the one before it has ended."""
 
-    def __init__(self, svc, record, prompts: list[list[int]], samplings: list, stop, echoes: list[str] | None):
+    def __init__(self, svc, record, prompts: list[list[int]], samplings: list, stop, echoes: list[str] | None,
+                 grammar=None):
         self.svc, self.record, self.prompts, self.samplings, self.stop = svc, record, prompts, samplings, stop
+        self.grammar = grammar  # the constraint every choice follows (grammar.CompiledGrammar), if any
         self.echoes = echoes  # with echo: each prompt's text, returned before its completion
         self.slot = svc.acquire(record) if len(prompts) > 1 else None
         self.generations = [self._start(0)]  # a single prompt waits for the engine here (503 before answering)
 
     def _start(self, index: int) -> Generation:
         return self.svc.generation(self.prompts[index], self.samplings[index], self.record, self.stop,
-                                   slot=self.slot)
+                                   slot=self.slot, grammar=self.grammar)
 
     def __iter__(self):
         """(index, generation), each started when reached."""
@@ -209,6 +230,7 @@ class Reply:
     fingerprint: str
     include_usage: bool
     logprobs: bool = False  # the request asked for logprobs
+    tools: bool = False  # a chat answer that may hold tool calls: they are read out of its text
 
     def _header(self) -> dict:
         return {"id": self.id, "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint}
@@ -266,11 +288,15 @@ class Reply:
             entries = self._prompt_entries(choices, index, generation) + self._entries(
                 choices, index, generation, range(completion.answered()))
             logprobs = self._logprobs(choices.svc, entries)
-            text, reason = choices.echo(index) + completion.text, finish_reason(generation)
+            text, calls = choices.echo(index) + completion.text, []
+            if self.tools:
+                text, calls = parse_tool_calls(text)
+            reason = finish_reason(generation, bool(calls))
             stats = SpeculativeDecodingStats.of(generation.stats())
             if self.chat:
-                answers.append(ChatChoice(index=index, message=ChatCompletionMessage(content=text),
-                                          logprobs=logprobs, finish_reason=reason, speculative_decoding_stats=stats))
+                message = ChatCompletionMessage(content=text, tool_calls=calls or None)
+                answers.append(ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=reason,
+                                          speculative_decoding_stats=stats))
             else:
                 answers.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason,
                                                 speculative_decoding_stats=stats))
@@ -278,11 +304,11 @@ class Reply:
         return kind(**self._header(), choices=answers, usage=usage).model_dump()
 
     def _chunk(self, text: str | None, index: int = 0, reason: str | None = None, stats=None, role: bool = False,
-               usage: dict | None = None, logprobs=None) -> str:
+               usage: dict | None = None, logprobs=None, calls=None) -> str:
         if usage is not None:
             choices = []
         elif self.chat:
-            delta = ChoiceDelta(role="assistant" if role else None, content=text)
+            delta = ChoiceDelta(role="assistant" if role else None, content=text, tool_calls=calls)
             choices = [ChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason,
                                    speculative_decoding_stats=stats)]
         else:
@@ -323,6 +349,8 @@ class Reply:
             if first:
                 entries += self._prompt_entries(choices, index, generation)
                 first = False
+            if self.tools:  # calls are read out of the whole text, at its end
+                continue
             text += completion.take()
             entries += self._entries(choices, index, generation, completion.take_tokens())
             if not generation.final and (text or entries):
@@ -330,5 +358,16 @@ class Reply:
                 text, entries = "", []
         text += completion.take()
         entries += self._entries(choices, index, generation, completion.take_tokens())
-        yield self._chunk(text, index, finish_reason(generation), SpeculativeDecodingStats.of(generation.stats()),
-                          logprobs=self._logprobs(choices.svc, entries))
+        stats = SpeculativeDecodingStats.of(generation.stats())
+        if self.tools:  # the text was held back: the calls in it, then whatever text is left
+            content, calls = parse_tool_calls(text)
+            for i, call in enumerate(calls):  # as OpenAI streams a call: its id and name, then its arguments
+                head = ToolCallDelta(index=i, id=call.id, type="function",
+                                     function=FunctionCallDelta(name=call.function.name, arguments=""))
+                yield self._chunk(None, index, calls=[head])
+                yield self._chunk(None, index, calls=[ToolCallDelta(
+                    index=i, function=FunctionCallDelta(arguments=call.function.arguments))])
+            yield self._chunk(content if content or not calls else None, index, finish_reason(generation, bool(calls)),
+                              stats, logprobs=self._logprobs(choices.svc, entries))
+            return
+        yield self._chunk(text, index, finish_reason(generation), stats, logprobs=self._logprobs(choices.svc, entries))

@@ -11,7 +11,7 @@ from .errors import ERROR_TYPES
 from .protocol import request_schema
 
 FINISH_REASONS = ["length", "stop", "time_limit"]
-SOURCES = ["draft", "lookup", "resampled", "bonus", "target"]
+SOURCES = ["draft", "lookup", "grammar", "resampled", "bonus", "target"]
 
 
 def _nullable(type_: str) -> dict:
@@ -145,6 +145,8 @@ def openapi_document(settings: Settings, served_model: str | None = None) -> dic
     }
     keyed = bool(settings.api_keys_file.strip())
     openai_paths, openai_schemas = openai_document(settings, served_model, keyed)
+    predict = request_schema(settings)
+    predict_parts = predict.pop("$defs", {})  # the shapes it shares with /v1 (response_format, ...)
     metrics_responses = {"200": _ok("Prometheus text format", {"text/plain": {"schema": {"type": "string"}}})}
     if keyed:  # auth.py: every route but the open ones needs a key
         predict_responses["401"] = _error("unauthorized: no API key, or not a valid one (`WWW-Authenticate`)")
@@ -179,7 +181,8 @@ def openapi_document(settings: Settings, served_model: str | None = None) -> dic
                                                                {"application/json": {"schema": {"type": "object"}}})}}},
             **openai_paths,
         },
-        "components": {"schemas": {"PredictRequest": openapi30(request_schema(settings)),
+        "components": {"schemas": {"PredictRequest": openapi30(predict),
+                                   **{name: openapi30(schema) for name, schema in predict_parts.items()},
                                    "GenerationStats": openapi30(stats_schema()),
                                    **SCHEMAS, **openai_schemas},
                        **({"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}} if keyed else {})},

@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import SpecDecError
 from ..params import (
@@ -28,6 +28,7 @@ from ..params import (
 from .concurrency import TimeLimitExceeded, time_limit
 from .config import Settings
 from .errors import ApiError
+from .structured import Constraint, ResponseFormat, StructuredOutputs, request_constraint
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -103,6 +104,19 @@ class PredictRequest(BaseModel):
     details: bool | None = Field(None, description="add the per-token list")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="add `logprobs`: " + LOGPROBS_DESCRIPTION)
     stream: bool | None = Field(None, description="answer with Server-Sent Events")
+    response_format: ResponseFormat | None = Field(
+        None, description="as OpenAI's: text, json_object (any JSON object) or json_schema")
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="as vLLM's: json, regex, choice or grammar constrain the completion")
+    grammar_drafter: bool | None = Field(None, description="under a constraint, propose the tokens the grammar "
+                                                           "forces (default true)")
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("give response_format or structured_outputs, not both")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -122,6 +136,7 @@ class PredictParams:
     chat: bool = False
     details: bool = False
     stream: bool = False
+    constraint: Constraint | None = None  # what the completion must match
 
 
 def read_json_object(request, max_bytes: int, timeout: float | None = None) -> dict:
@@ -201,13 +216,17 @@ def parse_predict(body: dict, settings: Settings) -> PredictParams:
     except ValidationError as error:
         raise _invalid_field(error.errors()[0]) from None
     sampling = sampling_params(settings, **{name: getattr(req, name, None) for name in SamplingParams.field_names()})
+    try:
+        constraint = request_constraint(req.response_format, req.structured_outputs)
+    except SpecDecError as error:
+        raise ApiError(422, "invalid_field", error.message, error.field) from None
     return PredictParams(prompt=req.prompt, sampling=sampling, stop=tuple(req.stop or ()), chat=bool(req.chat),
-                         details=bool(req.details), stream=bool(req.stream))
+                         details=bool(req.details), stream=bool(req.stream), constraint=constraint)
 
 
 def request_schema(settings: Settings) -> dict:
     """The JSON Schema of a /predict body, from PredictRequest, with this server's limits and defaults."""
-    schema = PredictRequest.model_json_schema()
+    schema = PredictRequest.model_json_schema(ref_template="#/components/schemas/{model}")  # $defs: the document's
     props = schema["properties"]
     defaults = settings.sampling
     _bound(props["max_new_tokens"], maximum=settings.max_new_tokens_limit,

@@ -40,6 +40,8 @@ def predict():
     body = read_json_object(request, svc.settings.max_body_bytes, svc.settings.body_timeout)
     params = parse_predict(body, svc.settings)
     svc.require_ready(g.record.started)
+    grammar = svc.grammar(params.constraint)
     prompt_ids = svc.encode(params.prompt, chat=params.chat, max_new_tokens=params.sampling.max_new_tokens)
-    generation = svc.generation(prompt_ids, params.sampling, g.record, params.stop, params.details)
+    generation = svc.generation(prompt_ids, params.sampling, g.record, params.stop, params.details,
+                                grammar=grammar)
     return svc.respond(generation, params.stream)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 from flask import Response, jsonify, request
 
+from ..errors import SpecDecError
+from ..grammar import CompiledGrammar, Constraint
 from ..params import SamplingParams
 from ..text import decoder_of, encode_messages, encode_prompt, token_bytes
 from .concurrency import EngineThread
@@ -139,14 +141,14 @@ class Service:
         return self._check_length(ids, 0, field_name)
 
     def encode(self, prompt: str | None = None, chat: bool = False, messages: list[dict] | None = None,
-               max_new_tokens: int = 0, field_name: str = "prompt") -> list[int]:
-        """The prompt's (or the chat messages') token ids, checked against the length limits."""
+               max_new_tokens: int = 0, field_name: str = "prompt", tools: list[dict] | None = None) -> list[int]:
+        """The prompt's (or the chat messages', with the tools) token ids, checked against the length limits."""
         with self._tokenizer_lock:
             if messages is not None or chat:
                 if not getattr(self.tokenizer, "chat_template", None):
                     raise ApiError(422, "invalid_field", "this model has no chat template",
                                    "chat" if messages is None else field_name)
-                ids = encode_messages(self.tokenizer, messages or [{"role": "user", "content": prompt}])
+                ids = encode_messages(self.tokenizer, messages or [{"role": "user", "content": prompt}], tools)
             else:
                 ids = encode_prompt(self.tokenizer, prompt)
         return self._check_length(ids, max_new_tokens, field_name)
@@ -164,6 +166,23 @@ class Service:
                                                    f"holds {context} tokens", field_name)
         return ids
 
+    def grammar(self, constraint: Constraint | None) -> CompiledGrammar | None:
+        """The constraint compiled for the served tokenizer (cached); a 422 naming its field if it is invalid."""
+        if constraint is None:
+            return None
+        if self.models.grammars is None:
+            raise ApiError(422, "invalid_field", "structured outputs are not available for this model's tokenizer",
+                           constraint.field)
+        try:
+            return self.models.grammars.compile(constraint)
+        except SpecDecError as error:
+            raise ApiError(422, "invalid_field", error.message, error.field) from None
+
+    @property
+    def special_tool_tokens(self) -> bool:
+        """Whether <tool_call> and </tool_call> are tokens of the served tokenizer (Qwen2.5's are)."""
+        return self.models.special_tool_tokens
+
     def acquire(self, record: RequestRecord) -> Slot:
         """Wait for the engine (503 when overloaded), for a request that decodes several prompts in one turn:
         `generation(..., slot=...)` for each; released by `finish`, if not before."""
@@ -179,7 +198,8 @@ class Service:
                            headers={"Retry-After": str(self.settings.retry_after)}) from None
 
     def generation(self, prompt_ids: list[int], sampling: SamplingParams, record: RequestRecord, stop=(),
-                   details: bool = False, slot: Slot | None = None) -> Generation:
+                   details: bool = False, slot: Slot | None = None,
+                   grammar: CompiledGrammar | None = None) -> Generation:
         """Wait for the engine (503 when overloaded), unless `slot` (from `acquire`) holds it already, and start
         decoding: the Generation that drives it."""
         record.method = sampling.method
@@ -189,7 +209,8 @@ class Service:
         self._refuse_if_draining(record.started)  # the one way into the engine, whichever route comes this way
         slot = self._take_engine() if slot is None else _Borrowed(slot)
         try:  # arguments are checked here; decoding starts on the engine thread, at the first round
-            stream = self.decoder.stream(prompt_ids, params=sampling, eos_token_id=self.models.eos_token_ids)
+            stream = self.decoder.stream(prompt_ids, params=sampling, eos_token_id=self.models.eos_token_ids,
+                                         grammar=grammar)
         except BaseException:
             slot.release()
             raise

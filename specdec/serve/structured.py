@@ -1,0 +1,238 @@
+"""Structured outputs and tool calls as the HTTP APIs take them: OpenAI's `response_format`, vLLM's
+`structured_outputs`, OpenAI's `tools` and `tool_choice` (pydantic shapes, shared by /predict and the /v1 routes);
+what each becomes for the engine (a grammar.Constraint); and the tool calls read back out of a completion.
+
+Tool calls are written as the Hermes / Qwen2.5 chat templates ask: `<tool_call>\\n{"name": ..., "arguments":
+{...}}\\n</tool_call>`, one block per call. `required` and a named function constrain the whole answer to such
+blocks, their arguments to the function's parameter schema; `auto` lets the model write text and constrains a
+call from its `<tool_call>` on (llguidance's lazy triggers, as in its StructTag).
+"""
+
+import json
+import re
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+from ..grammar import JSON_OPTIONS, MAX_CHOICES, Constraint
+
+CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
+CALL = re.compile(re.escape(CALL_BEGIN) + r"\s*(\{.*?\})\s*" + re.escape(CALL_END), re.DOTALL)
+FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
+MAX_TOOLS = 128
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)] = Field(description="the schema's name")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="the JSON schema the answer follows")
+    strict: bool | None = Field(None, description="accepted; the schema is always enforced")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object), json_schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = Field(None, description="with type json_schema")
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("invalid_value", "response_format.json_schema is required with type "
+                                      "json_schema, and only then", {"param": "response_format.json_schema"})
+        return self
+
+    def constraint(self, field: str = "response_format") -> Constraint | None:
+        if self.type == "json_object":
+            return Constraint("json_object", field=field)
+        if self.type == "json_schema":
+            schema = self.json_schema.schema_ if self.json_schema.schema_ is not None else {}
+            return Constraint.json_schema(schema, field=f"{field}.json_schema.schema")
+        return None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of json (a JSON schema), regex (Rust's regex syntax), choice (one of
+    these strings) or grammar (a Lark grammar as llguidance reads it, or llama.cpp's GBNF); json_object: any JSON
+    object."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (object or text)")
+    regex: str | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: str | None = Field(None, description="a Lark grammar (llguidance's dialect), or GBNF")
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        given = [name for name in ("json_", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise PydanticCustomError("invalid_value", "structured_outputs takes exactly one of json, regex, choice, "
+                                      "grammar and json_object", {"param": "structured_outputs"})
+        return self
+
+    def constraint(self, field: str = "structured_outputs") -> Constraint:
+        if self.json_ is not None:
+            if isinstance(self.json_, str):
+                return Constraint("json_schema", self.json_, field=f"{field}.json")
+            return Constraint.json_schema(self.json_, field=f"{field}.json")
+        if self.regex is not None:
+            return Constraint("regex", self.regex, field=f"{field}.regex")
+        if self.choice is not None:
+            return Constraint.choice(self.choice, field=f"{field}.choice")
+        if self.grammar is not None:
+            return Constraint("grammar", self.grammar, field=f"{field}.grammar")
+        return Constraint("json_object", field=f"{field}.json_object")
+
+
+def request_constraint(response_format: ResponseFormat | None,
+                       structured_outputs: StructuredOutputs | None) -> Constraint | None:
+    """The request's one constraint (the request models refuse both at once); a SpecDecError naming the field
+    where a constraint cannot be built (a schema that is not an object, or over the size limit)."""
+    if structured_outputs is not None:
+        return structured_outputs.constraint()
+    return response_format.constraint() if response_format is not None else None
+
+
+# --- tools -----------------------------------------------------------------------------------------------------
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: Annotated[str, Field(pattern=FUNCTION_NAME)] = Field(description="the function's name")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of its arguments (an object)")
+    strict: bool | None = Field(None, description="accepted; the arguments always follow the schema")
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str
+    arguments: str = Field(description="the arguments, as a JSON text")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def check_tools(tools: list[Tool] | None, tool_choice) -> None:
+    """A named tool_choice must name one of the tools; tool names are unique."""
+    names = [tool.function.name for tool in tools or []]
+    if len(set(names)) != len(names):
+        raise PydanticCustomError("invalid_value", "tool names must be unique", {"param": "tools"})
+    if isinstance(tool_choice, NamedToolChoice) and tool_choice.function.name not in names:
+        raise PydanticCustomError("invalid_value", f"tool_choice names the function {tool_choice.function.name!r}, "
+                                  "which is not among the tools", {"param": "tool_choice.function.name"})
+    if tool_choice in ("auto", "required") and not names:
+        raise PydanticCustomError("invalid_value", f"tool_choice {tool_choice!r} needs tools",
+                                  {"param": "tool_choice"})
+
+
+def _call_schema(function: FunctionDefinition) -> dict:
+    return function.parameters if function.parameters is not None else {"type": "object"}
+
+
+def tool_constraint(tools: list[Tool], tool_choice, parallel: bool, special: bool) -> Constraint | None:
+    """The grammar of an answer under tool_choice: required or named, only calls (one, or with `parallel` one
+    or more); auto, text with calls anywhere in it (each constrained from its <tool_call> on); none: no grammar.
+    `special`: <tool_call> and </tool_call> are tokens of the tokenizer (Qwen2.5's), matched as such."""
+    if tool_choice == "none" or not tools:
+        return None
+    if isinstance(tool_choice, NamedToolChoice):
+        tools = [tool for tool in tools if tool.function.name == tool_choice.function.name]
+    begin, end = (CALL_BEGIN, CALL_END) if special else (json.dumps(CALL_BEGIN), json.dumps(CALL_END))
+    lines = ["%llguidance {}"]
+    bodies = []
+    for i, tool in enumerate(tools):
+        head = json.dumps('{"name"' + JSON_OPTIONS["key_separator"] + json.dumps(tool.function.name)
+                          + JSON_OPTIONS["item_separator"] + '"arguments"' + JSON_OPTIONS["key_separator"])
+        lines.append(f"fn_{i}: {head} %json {json.dumps(_call_schema(tool.function))} \"}}\"")
+        bodies.append(f"fn_{i}")
+    body = " | ".join(bodies)
+    if tool_choice == "auto":
+        if special:
+            lines.append(f"call: TEXT {begin} \"\\n\" ({body}) \"\\n\" {end}")
+        else:  # a lazy lexeme: text up to the first <tool_call>
+            lines.append(f"call_trig[lazy]: TEXT {begin}")
+            lines.append(f"call: call_trig \"\\n\" ({body}) \"\\n\" {end}")
+        lines.append("TEXT: /(.|\\n)*/")
+        lines.insert(1, "start: (call)* TEXT" if parallel else "start: call? TEXT")
+    else:
+        lines.append(f"call: {begin} \"\\n\" ({body}) \"\\n\" {end}")
+        lines.insert(1, "start: call (\"\\n\" call)*" if parallel else "start: call")
+    return Constraint("grammar", "\n".join(lines), field="tools")
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """(the text outside the calls, or None if there is none; the calls) of a completion."""
+    calls = []
+    for match in CALL.finditer(text):
+        try:
+            call = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            continue
+        arguments = call.get("arguments", {})
+        calls.append(ToolCall(id="call_" + uuid.uuid4().hex[:24],
+                              function=FunctionCall(name=call["name"], arguments=json.dumps(arguments,
+                                                                                             ensure_ascii=False))))
+    content = CALL.sub("", text).strip() if calls else text
+    return content or None, calls
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """Messages for a chat template: an assistant's tool calls with their arguments as objects (the templates
+    write them with `tojson`), as transformers' chat templates expect."""
+    rendered = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [
+                {**call, "function": {**call["function"], "arguments": _as_object(call["function"]["arguments"])}}
+                for call in calls]}
+        rendered.append(message)
+    return rendered
+
+
+def _as_object(arguments: str):
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments

@@ -1,0 +1,104 @@
+"""grammar.py and constrained decoding on the tiny pair: compilation, its cache and its errors; greedy
+constrained speculative decoding equals greedy constrained target-only decoding, token for token, for every
+drafter and rule, with and without the grammar's forced proposals; outputs that stop parse and validate."""
+
+import json
+
+import jsonschema
+import pytest
+
+from specdec import SpeculativeDecoder
+from specdec.errors import SpecDecError
+from specdec.grammar import MAX_SOURCE_BYTES, Constraint, GrammarCompiler
+from specdec.params import SamplingParams
+from tests.support.models import make_model, make_tokenizer, perturbed_copy
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "kind"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "kind": {"enum": ["cat", "dog", "bird"]}}}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tokenizer = make_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids("<eos>")
+    target = make_model(seed=0, initializer_range=0.1, vocab_size=100, eos_token_id=eos)
+    decoder = SpeculativeDecoder(perturbed_copy(target, noise=0.3), target, tokenizer)
+    return decoder, tokenizer, GrammarCompiler(tokenizer, decoder.vocab_size)
+
+
+def test_compiled_grammars_are_cached_by_hash_and_bounded():
+    compiler = GrammarCompiler(make_tokenizer(), 100, cache_size=2)
+    first = compiler.compile(Constraint.json_schema(SCHEMA))
+    assert compiler.compile(Constraint.json_schema(dict(reversed(SCHEMA.items())))) is first  # same schema
+    assert (compiler.hits, compiler.misses) == (1, 1)
+    compiler.compile(Constraint("regex", "a+"))
+    compiler.compile(Constraint("regex", "b+"))
+    assert compiler.compile(Constraint.json_schema(SCHEMA)) is not first  # evicted, least recently used
+    assert compiler.misses == 4
+
+
+@pytest.mark.parametrize("constraint, field", [
+    (lambda: Constraint("regex", "a(b", field="structured_outputs.regex"), "structured_outputs.regex"),
+    (lambda: Constraint.json_schema({"type": "nonsense"}), "response_format"),
+    (lambda: Constraint("json_schema", "{not json", field="response_format.json_schema.schema"),
+     "response_format.json_schema.schema"),
+    (lambda: Constraint("grammar", "start: undefined_rule", field="structured_outputs.grammar"),
+     "structured_outputs.grammar"),
+    (lambda: Constraint("regex", "a" * (MAX_SOURCE_BYTES + 1), field="structured_outputs.regex"),
+     "structured_outputs.regex"),
+    (lambda: Constraint.choice([], field="structured_outputs.choice"), "structured_outputs.choice"),
+])
+def test_bad_constraints_name_their_field(constraint, field):
+    compiler = GrammarCompiler(make_tokenizer(), 100)
+    with pytest.raises(SpecDecError) as error:
+        compiler.compile(constraint())
+    assert error.value.field == field
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup", "hybrid"])
+@pytest.mark.parametrize("verification", ["token", "block"])
+@pytest.mark.parametrize("method", ["google", "deepmind"])
+@pytest.mark.parametrize("forced", [True, False])
+def test_greedy_constrained_speculative_equals_constrained_target_only(tiny, method, verification, drafter, forced):
+    decoder, tokenizer, compiler = tiny
+    grammar = compiler.compile(Constraint.json_schema(SCHEMA))
+    prompt = tokenizer.encode('name: "Ann", age 7, a cat. {"name": "Ann", "age": 7', add_special_tokens=False)
+    reference = decoder.generate(prompt, params=SamplingParams(max_new_tokens=80, method="target", temperature=0),
+                                 grammar=grammar)
+    params = SamplingParams(max_new_tokens=80, method=method, temperature=0, gamma=4, drafter=drafter,
+                            verification=verification, grammar_drafter=forced)
+    result = decoder.generate(prompt, params=params, grammar=grammar)
+    assert result.token_ids == reference.token_ids
+    assert result.finish_reason == reference.finish_reason == "stop"
+    jsonschema.validate(json.loads(tokenizer.decode(result.token_ids[:-1])), SCHEMA)
+    assert (result.stats.forced_tokens > 0) == forced
+    assert result.stats.grammar_seconds > 0
+
+
+def test_adaptive_greedy_and_sampled_outputs_follow_the_schema(tiny):
+    decoder, tokenizer, compiler = tiny
+    grammar = compiler.compile(Constraint.json_schema(SCHEMA))
+    prompt = tokenizer.encode("a record:", add_special_tokens=False)
+    for seed in range(8):
+        for gamma, temperature in ((None, 0), (None, 1.0), (3, 0.7)):
+            params = SamplingParams(max_new_tokens=120, temperature=temperature, gamma=gamma, seed=seed,
+                                    top_p=0.9, drafter="hybrid")
+            result = decoder.generate(prompt, params=params, grammar=grammar)
+            if result.finish_reason == "stop":
+                jsonschema.validate(json.loads(tokenizer.decode(result.token_ids[:-1])), SCHEMA)
+            else:  # cut by max_new_tokens: a prefix of a valid document
+                assert tokenizer.decode(result.token_ids).startswith('{"')
+
+
+def test_regex_and_choice_constraints(tiny):
+    decoder, tokenizer, compiler = tiny
+    prompt = tokenizer.encode("pick:", add_special_tokens=False)
+    for seed in range(5):
+        params = SamplingParams(max_new_tokens=20, temperature=1.0, seed=seed)
+        text = tokenizer.decode(decoder.generate(prompt, params=params, grammar=compiler.compile(
+            Constraint.choice(["yes", "no", "maybe"]))).token_ids, skip_special_tokens=True)
+        assert text in ("yes", "no", "maybe")
+        text = tokenizer.decode(decoder.generate(prompt, params=params, grammar=compiler.compile(
+            Constraint("regex", r"[0-9]{3}-[a-z]{2}"))).token_ids, skip_special_tokens=True)
+        assert len(text) == 6 and text[:3].isdigit() and text[3] == "-" and text[4:].isalpha()

@@ -1,0 +1,87 @@
+"""Structured outputs and tool calls through Flask's test client on the tiny pair: /predict takes response_format
+and structured_outputs; a conversation with an assistant's tool calls and a tool's answer is accepted and
+rendered; bad constraints are 4xx naming the field and the worker keeps serving; the grammar's work shows in the
+stats and in /metrics."""
+
+import json
+
+import jsonschema
+import pytest
+
+from specdec.serve.structured import parse_tool_calls, template_messages
+
+pytestmark = [pytest.mark.usefixtures("clean_env"), pytest.mark.xdist_group("openai")]
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "n"],
+          "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+def metric(client, name):
+    for line in client.get("/metrics").get_data(as_text=True).splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_predict_takes_response_format_and_structured_outputs(client):
+    forced_before = metric(client, "specdec_grammar_forced_tokens_total")
+    body = client.post("/predict", json={"prompt": "Who is", "max_new_tokens": 60, "seed": 1, "details": True,
+                                         "response_format": {"type": "json_schema", "json_schema": {
+                                             "name": "x", "schema": SCHEMA}}}).get_json()
+    assert body["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(body["text"]), SCHEMA)
+    assert body["stats"]["forced_tokens"] > 0 and body["stats"]["grammar_seconds"] > 0
+    assert "grammar" in {token["source"] for token in body["tokens"]}
+    assert metric(client, "specdec_grammar_forced_tokens_total") == forced_before + body["stats"]["forced_tokens"]
+    for seed in range(3):
+        body = client.post("/predict", json={"prompt": "Who is", "seed": seed, "max_new_tokens": 10,
+                                             "structured_outputs": {"choice": ["alpha", "beta"]}}).get_json()
+        assert body["text"] in ("alpha", "beta")
+    body = client.post("/predict", json={"prompt": "Who is", "max_new_tokens": 10, "grammar_drafter": False,
+                                         "structured_outputs": {"regex": "[0-9]{3}"}}).get_json()
+    assert len(body["text"]) == 3 and body["text"].isdigit() and body["stats"]["forced_tokens"] == 0
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json"),
+    ({"structured_outputs": {}}, None),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, None),
+])
+def test_predict_refuses_bad_constraints_naming_the_field(client, extra, field):
+    response = client.post("/predict", json={"prompt": "Who is", **extra})
+    assert response.status_code == 422
+    error = response.get_json()["error"]
+    assert error["type"] == "invalid_field" and error["message"] and "Traceback" not in error["message"]
+    if field is not None:
+        assert error["field"] == field
+    assert client.post("/predict", json={"prompt": "Who is", "max_new_tokens": 2}).status_code == 200
+
+
+def test_a_conversation_with_tool_calls_and_tool_answers_is_accepted(client, service_tokenizer):
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 1, \"b\": 2}"}}
+    messages = [{"role": "user", "content": "1 + 2?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    response = client.post("/v1/chat/completions", json={"model": "target", "messages": messages, "tools": tools,
+                                                         "tool_choice": "none", "max_tokens": 4})
+    assert response.status_code == 200, response.get_json()
+    rendered = template_messages([{**messages[1], "tool_calls": [call]}])[0]
+    assert rendered["tool_calls"][0]["function"]["arguments"] == {"a": 1, "b": 2}  # an object for the template
+
+
+def test_tool_calls_are_read_back_and_text_kept():
+    text = 'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", ' \
+           '"arguments": {}}\n</tool_call>'
+    content, calls = parse_tool_calls(text)
+    assert content == "Sure." and [c.function.name for c in calls] == ["f", "g"]
+    assert json.loads(calls[0].function.arguments) == {"x": 1} and calls[0].id != calls[1].id
+    assert parse_tool_calls("no calls here") == ("no calls here", [])
+    assert parse_tool_calls("<tool_call>\n{broken\n</tool_call>") == ("<tool_call>\n{broken\n</tool_call>", [])
+
+
+@pytest.fixture
+def service_tokenizer(app):
+    return app.extensions["specdec"].tokenizer

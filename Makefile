@@ -9,7 +9,7 @@ LINT_VENV := .venv-lint
 LINT_INSTALLED := $(LINT_VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv models serve test unit bench stress eval lint lint-docker lint-deploy clean
+.PHONY: venv models serve test unit bench bench-peers stress eval lint lint-docker lint-deploy clean
 
 $(INSTALLED): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,17 @@ bench: models
 	$(BIN)/python -m bench.benchmark --out bench/results
 	$(BIN)/python -m bench.overhead --out bench/results/overhead/tiny
 	$(BIN)/python -m bench.overhead --pair default --tokens 64 --repeats 2 --out bench/results/overhead/default
+
+# llama.cpp as the peer on the same GGUF files (bench/peers.py): llama-server built once from the llama-cpp-python
+# sdist's vendored llama.cpp in .peers/ (about 10 minutes on 2 cores, so `make bench` leaves it out), then measured
+# beside our target-only and Google
+PEERS := .peers
+LLAMA_SERVER := $(PEERS)/llama.cpp/build/bin/llama-server
+$(LLAMA_SERVER): | $(MODELS_INSTALLED)
+	$(BIN)/python -m bench.peers --folder $(PEERS) --build-only
+
+bench-peers: models $(LLAMA_SERVER)
+	$(BIN)/python -m bench.peers --folder $(PEERS) --out bench/results/peers
 
 stress: venv
 	$(BIN)/python -m bench.stress

@@ -104,12 +104,13 @@ def gguf_file(source: GGUFSource, folder: Path) -> Path:
 
 def server_command(server: Path, target: Path, port: int, threads: int, context: int,
                    draft: Path | None = None, draft_max: int = 8) -> list[str]:
-    """llama-server on 127.0.0.1 with one slot, the target alone or with `draft` (its speculative decoding, up to
-    `draft_max` drafted tokens a round), `threads` threads for each model."""
+    """llama-server on 127.0.0.1 with one slot, the target alone or with `draft` (its speculative decoding with a
+    draft model, up to `draft_max` drafted tokens a round), `threads` threads for each model."""
     command = [str(server), "-m", str(target), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                "-tb", str(threads), "-c", str(context), "-np", "1", "--no-webui"]
     if draft is not None:
-        command += ["-md", str(draft), "-td", str(threads), "-tbd", str(threads),
+        # without --spec-type this llama.cpp loads the draft and never drafts (its default type is none)
+        command += ["-md", str(draft), "--spec-type", "draft-simple", "-td", str(threads), "-tbd", str(threads),
                     "--spec-draft-n-max", str(draft_max)]
     return command
 
@@ -137,14 +138,15 @@ def completion_run(answer: dict, wall_seconds: float) -> dict:
 class LlamaServer:
     """A llama-server process, its output in a log file; a context manager that waits for /health."""
 
-    def __init__(self, command: list[str], port: int, log_path: Path):
+    def __init__(self, command: list[str], port: int, log_path: Path, ready_timeout: float = 600):
         self.command, self.url, self.log_path = command, f"http://127.0.0.1:{port}", log_path
+        self.ready_timeout = ready_timeout
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> "LlamaServer":
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + self.ready_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"llama-server exited with {self.process.returncode}:\n"
@@ -156,7 +158,7 @@ class LlamaServer:
                 pass
             time.sleep(0.2)
         self.__exit__()
-        raise RuntimeError(f"llama-server was not ready within 300 s; log: {self.log_path}")
+        raise RuntimeError(f"llama-server was not ready within {self.ready_timeout:.0f} s; log: {self.log_path}")
 
     def __exit__(self, *exc) -> None:
         if self.process and self.process.poll() is None:
@@ -167,11 +169,15 @@ class LlamaServer:
                 self.process.kill()
                 self.process.wait()
 
-    def complete(self, ids: list[int], tokens: int) -> dict:
+    def complete(self, ids: list[int], tokens: int, speculative: bool = False) -> dict:
+        """One request's run; `speculative`: the server must report drafted tokens, or it did not speculate."""
         started = time.perf_counter()
         response = requests.post(self.url + "/completion", json=completion_body(ids, tokens), timeout=1200)
         response.raise_for_status()
-        return completion_run(response.json(), time.perf_counter() - started)
+        run = completion_run(response.json(), time.perf_counter() - started)
+        if speculative and not run.get("drafted"):
+            raise RuntimeError(f"llama-server drafted no tokens: it did not speculate ({' '.join(self.command)})")
+        return run
 
 
 def ours_run(decoder, ids: list[int], method: str, tokens: int, gamma: int) -> dict:
@@ -298,7 +304,7 @@ def measure(args, server: Path, models: dict[str, Path], logs: Path) -> tuple[li
     runs = []
     with servers["target"] as alone, servers["draft"] as speculative:
         engines = {"llama.cpp/target": lambda i: alone.complete(i, args.tokens),
-                   "llama.cpp/draft": lambda i: speculative.complete(i, args.tokens),
+                   "llama.cpp/draft": lambda i: speculative.complete(i, args.tokens, speculative=True),
                    "specdec/target": lambda i: ours_run(decoder, i, "target", args.tokens, args.gamma),
                    "specdec/google": lambda i: ours_run(decoder, i, "google", args.tokens, args.gamma)}
         if not args.ours:

@@ -39,6 +39,8 @@ def test_server_command_target_alone_and_with_the_draft(tmp_path):
     assert speculative[speculative.index("-md") + 1] == str(draft)
     assert speculative[speculative.index("-td") + 1] == "2"
     assert speculative[speculative.index("--spec-draft-n-max") + 1] == "8"
+    # this llama.cpp's default speculative type is none: with -md alone it loads the draft and never drafts
+    assert speculative[speculative.index("--spec-type") + 1] == "draft-simple"
 
 
 def test_the_build_is_the_server_target_native_without_curl_and_is_reused(tmp_path, monkeypatch):
@@ -147,6 +149,19 @@ def test_a_fake_llama_server_is_started_asked_greedily_and_stopped(tmp_path):
     assert request == peers.completion_body([1, 2, 3], 11)
     assert request["prompt"] == [1, 2, 3] and request["temperature"] == 0 and request["top_k"] == 1
     assert request["ignore_eos"] is True and request["cache_prompt"] is False and request["n_predict"] == 11
+
+
+def test_a_speculative_server_that_drafted_nothing_is_refused(tmp_path):
+    script = tmp_path / "fake_server.py"
+    script.write_text(textwrap.dedent(FAKE_SERVER))
+    target_only = json.loads(json.dumps(RECORDED))
+    del target_only["timings"]["draft_n"], target_only["timings"]["draft_n_accepted"]
+    port = free_port()
+    command = [sys.executable, str(script), str(port), str(tmp_path / "requests.jsonl"), json.dumps(target_only)]
+    with peers.LlamaServer(command, port, tmp_path / "server.log") as server:
+        assert "drafted" not in server.complete([1], tokens=11)
+        with pytest.raises(RuntimeError, match="did not speculate"):
+            server.complete([1], tokens=11, speculative=True)
 
 
 def test_a_server_that_exits_is_reported_with_its_log(tmp_path):

@@ -63,7 +63,7 @@ bench: models
 	$(BIN)/python -m bench.overhead --pair default --tokens 64 --repeats 2 --out bench/results/overhead/default
 
 # llama.cpp as the peer on the same GGUF files (bench/peers.py): llama-server built once from the llama-cpp-python
-# sdist's vendored llama.cpp in .peers/ (about 10 minutes on 2 cores, so `make bench` leaves it out), then measured
+# sdist's vendored llama.cpp in .peers/ (10-40 minutes on 2 shared cores, so `make bench` leaves it out), then measured
 # beside our target-only and Google
 PEERS := .peers
 LLAMA_SERVER := $(PEERS)/llama.cpp/build/bin/llama-server

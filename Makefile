@@ -9,7 +9,7 @@ LINT_VENV := .venv-lint
 LINT_INSTALLED := $(LINT_VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: venv models serve test unit bench bench-prompt-cache stress eval lint lint-docker lint-deploy clean gpu-shapes
+.PHONY: venv models serve test unit bench bench-prompt-cache bench-peers stress eval lint lint-docker lint-deploy clean gpu-shapes
 
 $(INSTALLED): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -66,6 +66,17 @@ bench: models
 # the prompt cache's workloads alone (multi-turn chat, agent loop, editor; cache on against off)
 bench-prompt-cache: models
 	$(BIN)/python -m bench.prompt_cache --out bench/results/prompt-cache
+
+# llama.cpp as the peer on the same GGUF files (bench/peers.py): llama-server built once from the llama-cpp-python
+# sdist's vendored llama.cpp in .peers/ (10-40 minutes on 2 shared cores, so `make bench` leaves it out), then measured
+# beside our target-only and Google
+PEERS := .peers
+LLAMA_SERVER := $(PEERS)/llama.cpp/build/bin/llama-server
+$(LLAMA_SERVER): | $(MODELS_INSTALLED)
+	$(BIN)/python -m bench.peers --folder $(PEERS) --build-only
+
+bench-peers: models $(LLAMA_SERVER)
+	$(BIN)/python -m bench.peers --folder $(PEERS) --out bench/results/peers
 
 stress: venv
 	$(BIN)/python -m bench.stress

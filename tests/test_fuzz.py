@@ -161,7 +161,10 @@ def test_schemathesis_against_the_openapi_document(app, mode):
             service.grammar(parse_predict(body, service.settings).constraint)
         except ApiError:
             return False
-        return True
+        # the tiny tokenizer spells printable ASCII and newlines only: a constraint whose strings need other
+        # characters can lead the grammar where no token goes on (a 422 saying so, not a 200)
+        constraint = json.dumps([body.get("structured_outputs"), body.get("response_format")])
+        return constraint.isascii() and "\\u" not in constraint
 
     @settings(FUZZ, max_examples=100)
     @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))

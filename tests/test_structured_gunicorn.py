@@ -38,7 +38,8 @@ class Pet(BaseModel):
 def server(tmp_path_factory, tiny_pair_dirs):
     draft_dir, target_dir = tiny_pair_dirs
     server = Server(tmp_path_factory.mktemp("structured") / "server.log", draft_model=draft_dir,
-                    target_model=target_dir, device="cpu", max_new_tokens=200, max_new_tokens_limit=400)
+                    target_model=target_dir, device="cpu", max_new_tokens=200, max_new_tokens_limit=400,
+                    prompt_cache_bytes=0)  # the same seed, the same answer: bit for bit only without the cache
     server.wait_ready(timeout=90)
     yield server
     server.stop()

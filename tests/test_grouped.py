@@ -178,7 +178,7 @@ def test_grouped_greedy_speculative_equals_grouped_target_only(drafter, rule, me
 # --- loading: the choice, the origin, the names ----------------------------------------------------------------------
 
 def test_weights_choice_is_checked():
-    assert resolve_weights(None) == "shipped" and resolve_weights(" Float ") == "float"
+    assert resolve_weights(None) == "float" and resolve_weights(" Shipped ") == "shipped"
     with pytest.raises(SpecDecError, match="weights must be shipped or float") as raised:
         resolve_weights("int3")
     assert raised.value.field == "weights"

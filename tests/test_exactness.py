@@ -90,8 +90,9 @@ def llama_pair():
     return draft, target
 
 
-def exact_distribution(target, temperature, top_k, top_p, prompt=PROMPT) -> dict[tuple, float]:
-    """P(x1 x2 x3 | prompt) under the target with transformers' warpers, by enumeration (no cache)."""
+def exact_distribution(target, temperature, top_k, top_p, prompt=PROMPT, allowed=None) -> dict[tuple, float]:
+    """P(x1 x2 x3 | prompt) under the target with transformers' warpers, by enumeration (no cache). With
+    `allowed` (a prefix's allowed next tokens), the tokens outside it are masked first, as a grammar does."""
     warpers = [TemperatureLogitsWarper(temperature)]
     if top_k:
         warpers.append(TopKLogitsWarper(top_k))
@@ -102,6 +103,10 @@ def exact_distribution(target, temperature, top_k, top_p, prompt=PROMPT) -> dict
         ids = torch.tensor([prompt + list(prefix)])
         with torch.no_grad():
             scores = target(input_ids=ids).logits[:, -1].float()
+        if allowed is not None:
+            forbidden = torch.ones(scores.shape[-1], dtype=torch.bool)
+            forbidden[sorted(allowed(prefix))] = False
+            scores = scores.masked_fill(forbidden, float("-inf"))
         for warper in warpers:
             scores = warper(ids, scores)
         return scores.softmax(-1)[0]

@@ -12,13 +12,11 @@ the grammar's forced proposals pass; a deliberately wrong variant (p masked at t
 
 import llguidance
 import pytest
-import torch
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from specdec import SpeculativeDecoder
 from specdec.grammar import Constraint, GrammarCompiler
 from specdec.params import SamplingParams
-from tests.test_exactness import DRAFTER_SAMPLES, LENGTH, PROMPT, SETTINGS, VOCAB, goodness_of_fit
+from tests.test_exactness import DRAFTER_SAMPLES, LENGTH, PROMPT, SETTINGS, VOCAB, exact_distribution, goodness_of_fit
 
 CHARS = "abcdefgh"  # token i is CHARS[i]
 REGEX = "[ab]d[ef]|cdg"  # a or b, then d (forced), then e or f; c, then d and g (both forced)
@@ -57,28 +55,7 @@ def allowed_after(prefix: tuple) -> set[int]:
 
 def constrained_distribution(target, temperature, top_k, top_p, prompt=PROMPT) -> dict[tuple, float]:
     """P(x1 x2 x3 | prompt) under the target with the grammar's mask, then transformers' warpers."""
-    warpers = [TemperatureLogitsWarper(temperature)]
-    if top_k:
-        warpers.append(TopKLogitsWarper(top_k))
-    if top_p < 1:
-        warpers.append(TopPLogitsWarper(top_p))
-
-    def next_probs(prefix):
-        ids = torch.tensor([prompt + list(prefix)])
-        with torch.no_grad():
-            scores = target(input_ids=ids).logits[:, -1].float()
-        forbidden = torch.ones(VOCAB, dtype=torch.bool)
-        forbidden[sorted(allowed_after(prefix))] = False
-        scores = scores.masked_fill(forbidden, float("-inf"))
-        for warper in warpers:
-            scores = warper(ids, scores)
-        return scores.softmax(-1)[0]
-
-    table = {(): 1.0}
-    for _ in range(LENGTH):
-        table = {prefix + (x,): mass * float(p) for prefix, mass in table.items() if mass > 0
-                 for x, p in enumerate(next_probs(prefix))}
-    return table
+    return exact_distribution(target, temperature, top_k, top_p, prompt=prompt, allowed=allowed_after)
 
 
 def draw(decoder, grammar, method, settings, n, seed=0, prompt=PROMPT, totals=None, **kwargs) -> dict[tuple, int]:

@@ -10,7 +10,16 @@ import torch
 from torch import nn
 
 from specdec import SpecDecError, SpeculativeDecoder
-from specdec.cpu.grouped import EIGHT_BIT, SHIPPED_TYPES, Grouped, GroupedLinear, dequantize, grouped_kernel, pack
+from specdec.cpu.grouped import (
+    EIGHT_BIT,
+    SHIPPED_TYPES,
+    Grouped,
+    GroupedLinear,
+    dequantize,
+    grouped_kernel,
+    pack,
+    values,
+)
 from specdec.models.kernels import use_cpu_kernels
 from specdec.models.shipped import gguf_origin, linear_names, resolve_weights
 from specdec.models.sources import ModelSource
@@ -52,18 +61,44 @@ def test_a_type_without_a_grouped_form_is_refused():
         pack(gguf_blocks("Q8_0", 2, 64), "Q4_0")
 
 
+def quantized_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as the kernel quantizes it, per group of `group`: (xq [M, K / group, group] int8 values, dx [M, K / group]),
+    dx = max |x| / 127 and xq = round(x * 127 / max |x|), in float32 as the kernel computes them."""
+    groups = x.reshape(x.shape[0], -1, group)
+    amax = groups.abs().amax(-1)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (groups * inverse.unsqueeze(-1)).round().clamp(-127, 127), amax / 127
+
+
 @pytest.mark.parametrize("qtype", SHIPPED_TYPES)
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 40])
 def test_the_kernel_computes_the_layer_and_each_row_alone_gives_the_same_bits(qtype, rows):
-    grouped = pack(gguf_blocks(qtype, 37, 512, seed=rows), qtype)  # 37 outputs: blocks of 4 or 2, and a tail
+    """Against float64: the kernel's own arithmetic (integer sums over x quantized per group, then the scales) to
+    float rounding; the float layer within the bound that quantizing x allows, sum over k of |w| * dx / 2."""
+    grouped = pack(gguf_blocks(qtype, 37, 512, seed=rows), qtype)  # 37 outputs: two tiles of 16 and a padded one
     bias = torch.randn(37)
     layer = GroupedLinear(grouped, bias)
     x = torch.randn(rows, 512)
-    out = layer(x)
-    exact = x.double() @ dequantize(grouped).double().T + bias.double()
-    assert torch.allclose(out.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
+    x[:, 7] *= 20  # an outlier channel, as real activations have
+    out = layer(x).double()
+
+    xq, dx = quantized_rows(x, grouped.group)
+    n, k = grouped.shape
+    v = values(grouped).double().reshape(n, k // grouped.group, grouped.group)
+    sums = torch.einsum("mgk,ngk->mng", xq.double(), v)
+    kernel = (sums * grouped.scale.double().unsqueeze(0) * dx.double().unsqueeze(1)).sum(-1) + bias.double()
+    if grouped.minimum is not None:
+        kernel -= x.double().reshape(rows, -1, grouped.group).sum(-1) @ grouped.minimum.double().T
+    assert torch.allclose(out, kernel, rtol=1e-5, atol=1e-5 * kernel.abs().max().item())
+
+    w = dequantize(grouped).double()
+    exact = x.double() @ w.T + bias.double()
+    bound = (w.abs().reshape(n, -1, grouped.group).sum(-1) @ dx.double().T).T / 2
+    assert ((out - exact).abs() <= bound * 1.001 + 1e-4).all()
+    assert not torch.allclose(out, exact, rtol=1e-6, atol=0)  # x was quantized: the bound is not vacuous
+
     alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
-    assert torch.equal(alone, out)
+    assert torch.equal(alone, layer(x))
 
 
 def test_the_operator_refuses_a_bad_shape_with_a_message():

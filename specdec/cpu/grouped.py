@@ -126,28 +126,53 @@ def grouped_kernel() -> bool:
 
 
 def _shape(x, q, scale, minimum, bits, group):
-    return x.new_empty(x.shape[0], q.shape[0])
+    return x.new_empty(x.shape[0], q.shape[0] * TILE)
+
+
+TILE = 16  # weight rows the kernel interleaves (csrc/grouped_linear.cpp)
+
+
+def tiled(grouped: Grouped) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The kernel's layout of a grouped weight: rows padded to a multiple of 16 (zero weights), every 16 rows
+    interleaved 4 bytes at a time (q [N / 16, 16 * bytes per row]; 8-bit values stored as v + 128, unsigned), and
+    scales and minimums 16 rows side by side ([N / 16, groups * 16])."""
+    n, _ = grouped.shape
+    pad = -n % TILE
+    q = grouped.q if grouped.bits == 4 else (grouped.q.to(torch.int16) + 128).to(torch.uint8)
+    q = torch.nn.functional.pad(q.contiguous(), (0, 0, 0, pad))
+    tiles = q.shape[0] // TILE
+    words = q.view(torch.int32).reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
+    q = words.view(torch.uint8).reshape(tiles, -1)
+
+    def side_by_side(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None:
+            return None
+        t = torch.nn.functional.pad(t.float().contiguous(), (0, 0, 0, pad))
+        return t.reshape(tiles, TILE, -1).transpose(1, 2).contiguous().reshape(tiles, -1)
+
+    return q, side_by_side(grouped.scale), side_by_side(grouped.minimum)
 
 
 class GroupedLinear(nn.Module):
-    """A drop-in nn.Linear over a grouped weight: float32 activations in and out, the weight never in float."""
+    """A drop-in nn.Linear over a grouped weight: float32 activations in and out, the weight never in float (held
+    tiled, as the kernel reads it)."""
 
     def __init__(self, grouped: Grouped, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = grouped.shape
         self.bits, self.group = grouped.bits, grouped.group
-        self.register_buffer("q", grouped.q)
-        self.register_buffer("scale", grouped.scale)
-        self.register_buffer("minimum", grouped.minimum)
+        q, scale, minimum = tiled(grouped)
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+        self.register_buffer("minimum", minimum)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-
-    def grouped(self) -> Grouped:
-        return Grouped(self.q, self.scale, self.minimum, self.bits, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()
         out = torch.ops.specdec_grouped.grouped_linear(rows, self.q, self.scale, self.minimum, self.bits,
                                                        self.group)
+        if out.shape[1] != self.out_features:
+            out = out[:, :self.out_features]
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -3,201 +3,261 @@
 //
 // The weight is held in groups of G consecutive values along K, each group a scale and (4-bit form) a minimum:
 //   w[n, k] = scale[n, g] * v[n, k] - minimum[n, g],   g = k / G
-// with v small integers. Two forms:
-//   - 4-bit (GGUF Q4_K, G = 32): v in 0..15, two groups per 32 bytes, the first group in the low nibbles and the
-//     second in the high ones, exactly as Q4_K stores its quants; scale = d * sc and minimum = dmin * m, float32.
-//   - 8-bit (Q6_K with G = 16, Q5_0 and Q8_0 with G = 32): v an int8 (q - 32, q - 16, q), scale as above,
-//     no minimum.
-// Each group is dequantized in registers, in float32, bitwise as GGUF's own dequantization gives it, and
-// multiplied by every row of x: the weights are read from memory once for all rows, their unpacking shared by
-// all rows, so a few rows cost little more than one. Every output is summed in the same order whatever M is:
-// a layer gives bitwise the same values for a verification over gamma tokens as for decoding them one by one.
-// GCC vector extensions (GCC 12+ or clang): one source for AVX-512, AVX2 or anything else the compiler targets.
+// with v small integers, exactly the GGUF's: 4-bit v in 0..15 (Q4_K, G = 32), or 8-bit v in -128..127 (Q6_K with
+// G = 16, Q5_0 and Q8_0 with G = 32).
+//
+// Integer dot products, as llama.cpp computes these types: each row of x is quantized per group of G to int8,
+//   x[m, k] ~ dx[m, g] * xq[m, k],   dx = max |x| / 127 over the group,  xq = round(x / dx)
+// and then, per group, an exact integer sum times two float scales:
+//   out[m, n] = sum_g  scale[n, g] * dx[m, g] * (sum_k v[n, k] * xq[m, k])  -  minimum[n, g] * (sum_k x[m, k])
+// The minimum's term takes the float sum of x itself. The weights are exactly the GGUF's; the activations' int8
+// rounding is the one approximation (bench/README.md gives its effect on the logits).
+//
+// Layout: 16 weight rows (a tile) interleaved 4 bytes at a time, so that one 512-bit load gives 16 output rows'
+// next 4 bytes and one VNNI instruction (vpdpbusd: unsigned bytes times signed bytes, summed in fours into int32)
+// adds 4 products to each of 16 outputs; x's 4 bytes are broadcast. The 4-bit form keeps GGUF's nibble order
+// (32 bytes: group 2p in the low nibbles, group 2p + 1 in the high ones); the 8-bit form is stored as v + 128
+// (unsigned), and 128 * sum(xq) is taken off each group's sum. Each tile's weights are read once for up to 8 rows
+// of x, so a few rows cost little more than one, and every output is computed in the same order whatever the number
+// of rows: a row's result is bitwise the same alone or with others. Without AVX-512 VNNI the same arithmetic runs
+// lane by lane, with the same integer sums and the same float operations (so the same bits).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define SPECDEC_VNNI 1
+#endif
 
 namespace {
 
-constexpr int kLanes = 16;
-constexpr int kPrefetchBytes = 512;
-typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef uint8_t bytes16 __attribute__((vector_size(16)));
-typedef int8_t sbytes16 __attribute__((vector_size(16)));
-typedef uint32_t u32vec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof(vec));
-  return v;
-}
-
-// Keeps the compiler from fusing a multiply and the subtraction after it into one rounding: the weights are
-// then bitwise GGUF's (scale * v, rounded, minus the minimum, rounded).
-inline vec rounded(vec v) {
-#if defined(__x86_64__)
-  asm("" : "+v"(v));
-#endif
-  return v;
-}
-
-inline float hsum(vec v) {  // a fixed pairwise order: lane l plus lane l + 8, then + 4, + 2, + 1
-  float a[kLanes];
-  std::memcpy(a, &v, sizeof(a));
-  for (int w = kLanes / 2; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) a[i] += a[i + w];
-  return a[0];
-}
-
-// 4-bit: 32 bytes hold groups 2p (low nibbles) and 2p + 1 (high nibbles), 32 values each, in order.
-struct FourBit {
-  static constexpr int kGroup = 32;
-  static constexpr int kStep = 64;      // values per step: two groups
-  static constexpr int kStepBytes = 32;
-  static constexpr int kVecs = 4;       // float vectors per step
-  static constexpr bool kMinimum = true;
-  static void unpack(const uint8_t* p, vec* w) {
-    for (int h = 0; h < 2; ++h) {
-      bytes16 b;
-      std::memcpy(&b, p + 16 * h, 16);
-      const u32vec wide = __builtin_convertvector(b, u32vec);
-      w[h] = __builtin_convertvector(wide & 15u, vec);      // group 2p, values 16h .. 16h + 15
-      w[2 + h] = __builtin_convertvector(wide >> 4, vec);   // group 2p + 1, the same positions
-    }
-  }
-};
-
-// 8-bit, groups of G (16 or 32) int8 values in order; a step is one group.
-template <int G>
-struct EightBit {
-  static constexpr int kGroup = G;
-  static constexpr int kStep = G;
-  static constexpr int kStepBytes = G;
-  static constexpr int kVecs = G / kLanes;
-  static constexpr bool kMinimum = false;
-  static void unpack(const uint8_t* p, vec* w) {
-    for (int h = 0; h < kVecs; ++h) {
-      sbytes16 b;
-      std::memcpy(&b, p + 16 * h, 16);
-      w[h] = __builtin_convertvector(b, vec);
-    }
-  }
-};
+constexpr int kTile = 16;      // weight rows interleaved: one 512-bit register of int32 sums
+constexpr int kChunk = 64;     // bytes per load: 4 bytes of each of 16 rows
+constexpr int kMaxRows = 8;    // rows of x per pass over a tile
 
 struct Layer {
-  const float* x;        // [M, K]
-  const uint8_t* q;      // [N, K * bits / 8]
-  const float* scale;    // [N, K / G]
-  const float* minimum;  // [N, K / G] or null
+  const uint8_t* q;      // [N / 16, K * bits / 8 * 16], tiled
+  const float* scale;    // [N / 16, K / G, 16]
+  const float* minimum;  // same, 4-bit only
   float* out;            // [M, N]
-  int64_t M, N, K;
+  int64_t M, N, K, G, bits;
 };
 
-// NB weight rows n0 .. n0 + NB against rows m0 .. m0 + M of x (M at most 8). Each group's weights are made
-// once per block, in float32, exactly as GGUF dequantizes them (scale * v - minimum), and every row of x is
-// multiplied by them: per row, the work of a float32 kernel; the weight's bytes, a quarter or a half of it.
-template <class F, int M, int NB>
-void block(const Layer& L, int64_t n0, int64_t m0) {
-  constexpr int kGroupsPerStep = F::kStep / F::kGroup;
-  constexpr int kVecsPerGroup = F::kGroup / kLanes;
-  const int64_t K = L.K, groups = K / F::kGroup, row_bytes = K / F::kStep * F::kStepBytes;
-  vec acc[NB * M];
-  for (int i = 0; i < NB * M; ++i) acc[i] = vec{};
-  const float* x = L.x + m0 * K;
-  for (int64_t s = 0; s < K / F::kStep; ++s) {
-    vec w[NB][F::kVecs];
-    for (int j = 0; j < NB; ++j) {
-      const uint8_t* p = L.q + (n0 + j) * row_bytes + s * F::kStepBytes;
-      __builtin_prefetch(p + kPrefetchBytes);
-      F::unpack(p, w[j]);
-      const int64_t g0 = (n0 + j) * groups + s * kGroupsPerStep;
-      for (int g = 0; g < kGroupsPerStep; ++g)
-        for (int h = 0; h < kVecsPerGroup; ++h) {
-          vec& v = w[j][g * kVecsPerGroup + h];
-          v = rounded(L.scale[g0 + g] * v);
-          if (F::kMinimum) v -= L.minimum[g0 + g];
-        }
+struct Rows {  // x quantized per group of G: xq [M, K], and per group dx, the sum of x and the sum of xq
+  std::vector<int8_t> xq;
+  std::vector<float> dx, sum;
+  std::vector<int32_t> qsum;
+};
+
+Rows quantize(const float* x, int64_t M, int64_t K, int64_t G) {
+  const int64_t groups = K / G;
+  Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * groups), std::vector<float>(M * groups),
+         std::vector<int32_t>(M * groups)};
+  for (int64_t i = 0; i < M * groups; ++i) {
+    const float* v = x + i * G;
+    float amax = 0.f, sum = 0.f;
+    for (int64_t k = 0; k < G; ++k) {
+      amax = std::max(amax, std::fabs(v[k]));
+      sum += v[k];
     }
-    for (int m = 0; m < M; ++m) {
-      const float* xs = x + m * K + s * F::kStep;
-      for (int i = 0; i < F::kVecs; ++i) {
-        const vec xv = load(xs + i * kLanes);
-        for (int j = 0; j < NB; ++j) acc[j * M + m] += xv * w[j][i];
+    const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t qsum = 0;
+    for (int64_t k = 0; k < G; ++k) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(v[k] * inverse));
+      r.xq[i * G + k] = static_cast<int8_t>(std::clamp(q, -127, 127));
+      qsum += r.xq[i * G + k];
+    }
+    r.dx[i] = amax / 127.f;
+    r.sum[i] = sum;
+    r.qsum[i] = qsum;
+  }
+  return r;
+}
+
+inline int32_t word(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#ifdef SPECDEC_VNNI
+
+// Rows m0 .. m0 + M of x against tile t.
+template <int M>
+void four_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
+  const int64_t K = L.K, groups = K / 32;
+  const uint8_t* q = L.q + t * (K / 2) * kTile;
+  const float* scale = L.scale + t * groups * kTile;
+  const float* minimum = L.minimum + t * groups * kTile;
+  const __m512i nibble = _mm512_set1_epi8(15);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < K / 64; ++s) {  // two groups: 512 bytes of the tile
+    const uint8_t* qs = q + s * 8 * kChunk;
+    _mm_prefetch(reinterpret_cast<const char*>(qs + 16 * kChunk), _MM_HINT_T0);
+    __m512i low[M], high[M];
+    for (int m = 0; m < M; ++m) low[m] = high[m] = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      const __m512i w = _mm512_loadu_si512(qs + c * kChunk);
+      const __m512i lo = _mm512_and_si512(w, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+      for (int m = 0; m < M; ++m) {
+        const int8_t* xs = X.xq.data() + (m0 + m) * K + s * 64 + 4 * c;
+        low[m] = _mm512_dpbusd_epi32(low[m], lo, _mm512_set1_epi32(word(xs)));
+        high[m] = _mm512_dpbusd_epi32(high[m], hi, _mm512_set1_epi32(word(xs + 32)));
       }
     }
+    const __m512 s0 = _mm512_loadu_ps(scale + (2 * s) * kTile), s1 = _mm512_loadu_ps(scale + (2 * s + 1) * kTile);
+    const __m512 n0 = _mm512_loadu_ps(minimum + (2 * s) * kTile), n1 = _mm512_loadu_ps(minimum + (2 * s + 1) * kTile);
+    for (int m = 0; m < M; ++m) {
+      const int64_t g = (m0 + m) * groups + 2 * s;
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low[m]), _mm512_mul_ps(s0, _mm512_set1_ps(X.dx[g])), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(n0, _mm512_set1_ps(X.sum[g]), acc[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high[m]), _mm512_mul_ps(s1, _mm512_set1_ps(X.dx[g + 1])), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(n1, _mm512_set1_ps(X.sum[g + 1]), acc[m]);
+    }
   }
-  for (int j = 0; j < NB; ++j)
-    for (int m = 0; m < M; ++m) L.out[(m0 + m) * L.N + n0 + j] = hsum(acc[j * M + m]);
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(L.out + (m0 + m) * L.N + t * kTile, acc[m]);
 }
 
-template <class F, int NB>
-void chunk(const Layer& L, int64_t n0, int64_t m0, int64_t C) {
-  switch (C) {
-    case 1: block<F, 1, NB>(L, n0, m0); break;
-    case 2: block<F, 2, NB>(L, n0, m0); break;
-    case 3: block<F, 3, NB>(L, n0, m0); break;
-    case 4: block<F, 4, NB>(L, n0, m0); break;
-    case 5: block<F, 5, NB>(L, n0, m0); break;
-    case 6: block<F, 6, NB>(L, n0, m0); break;
-    case 7: block<F, 7, NB>(L, n0, m0); break;
-    default: block<F, 8, NB>(L, n0, m0); break;
+template <int M>
+void eight_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
+  const int64_t K = L.K, G = L.G, groups = K / G, chunks = G / 4;
+  const uint8_t* q = L.q + t * K * kTile;
+  const float* scale = L.scale + t * groups * kTile;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* qg = q + g * chunks * kChunk;
+    _mm_prefetch(reinterpret_cast<const char*>(qg + 16 * kChunk), _MM_HINT_T0);
+    __m512i sum[M];
+    for (int m = 0; m < M; ++m) sum[m] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512i w = _mm512_loadu_si512(qg + c * kChunk);
+      for (int m = 0; m < M; ++m)
+        sum[m] = _mm512_dpbusd_epi32(sum[m], w, _mm512_set1_epi32(word(X.xq.data() + (m0 + m) * K + g * G + 4 * c)));
+    }
+    const __m512 s = _mm512_loadu_ps(scale + g * kTile);
+    for (int m = 0; m < M; ++m) {
+      const int64_t i = (m0 + m) * groups + g;
+      const __m512i exact = _mm512_sub_epi32(sum[m], _mm512_set1_epi32(128 * X.qsum[i]));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(s, _mm512_set1_ps(X.dx[i])), acc[m]);
+    }
   }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(L.out + (m0 + m) * L.N + t * kTile, acc[m]);
 }
 
-// All M rows against NB weight rows at a time, in equal chunks of at most 8 rows: the first chunk streams the
-// block's weight rows from memory, the next find them in cache.
-template <class F, int NB>
-void rows(const Layer& L) {
-  const int64_t blocks = L.N / NB;
-  const int64_t chunks = (L.M + 7) / 8;
-  const int64_t size = (L.M + chunks - 1) / chunks;
-  auto all_chunks = [&](int64_t n0, auto nb) {
-    constexpr int B = decltype(nb)::value;
-    for (int64_t m0 = 0; m0 < L.M; m0 += size) chunk<F, B>(L, n0, m0, std::min<int64_t>(size, L.M - m0));
-  };
-  at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) all_chunks(b * NB, std::integral_constant<int, NB>{});
-  });
-  for (int64_t n = blocks * NB; n < L.N; ++n) all_chunks(n, std::integral_constant<int, 1>{});
+#else
+
+// Lane by lane: the same integer sums, the same float operations in the same order.
+template <int M>
+void four_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
+  const int64_t K = L.K, groups = K / 32;
+  const uint8_t* q = L.q + t * (K / 2) * kTile;
+  const float* scale = L.scale + t * groups * kTile;
+  const float* minimum = L.minimum + t * groups * kTile;
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < kTile; ++r) {
+      float acc = 0.f;
+      for (int64_t s = 0; s < K / 64; ++s) {
+        int32_t low = 0, high = 0;
+        for (int c = 0; c < 8; ++c)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t b = q[s * 8 * kChunk + c * kChunk + 4 * r + j];
+            const int8_t* xs = X.xq.data() + (m0 + m) * K + s * 64 + 4 * c + j;
+            low += (b & 15) * xs[0];
+            high += (b >> 4) * xs[32];
+          }
+        const int64_t g = (m0 + m) * groups + 2 * s;
+        acc = std::fma(static_cast<float>(low), scale[2 * s * kTile + r] * X.dx[g], acc);
+        acc = std::fma(-minimum[2 * s * kTile + r], X.sum[g], acc);
+        acc = std::fma(static_cast<float>(high), scale[(2 * s + 1) * kTile + r] * X.dx[g + 1], acc);
+        acc = std::fma(-minimum[(2 * s + 1) * kTile + r], X.sum[g + 1], acc);
+      }
+      L.out[(m0 + m) * L.N + t * kTile + r] = acc;
+    }
 }
 
-template <class F>
-void dispatch(const Layer& L) {
-  if (L.M <= 2) rows<F, 4>(L); else rows<F, 2>(L);
+template <int M>
+void eight_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
+  const int64_t K = L.K, G = L.G, groups = K / G, chunks = G / 4;
+  const uint8_t* q = L.q + t * K * kTile;
+  const float* scale = L.scale + t * groups * kTile;
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < kTile; ++r) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t sum = 0;
+        for (int64_t c = 0; c < chunks; ++c)
+          for (int j = 0; j < 4; ++j)
+            sum += q[(g * chunks + c) * kChunk + 4 * r + j] * X.xq[(m0 + m) * K + g * G + 4 * c + j];
+        const int64_t i = (m0 + m) * groups + g;
+        acc = std::fma(static_cast<float>(sum - 128 * X.qsum[i]), scale[g * kTile + r] * X.dx[i], acc);
+      }
+      L.out[(m0 + m) * L.N + t * kTile + r] = acc;
+    }
+}
+
+#endif
+
+template <int M>
+void tile(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
+  if (L.bits == 4) four_bit<M>(L, X, t, m0);
+  else eight_bit<M>(L, X, t, m0);
+}
+
+void chunk(const Layer& L, const Rows& X, int64_t t, int64_t m0, int64_t rows) {
+  switch (rows) {
+    case 1: tile<1>(L, X, t, m0); break;
+    case 2: tile<2>(L, X, t, m0); break;
+    case 3: tile<3>(L, X, t, m0); break;
+    case 4: tile<4>(L, X, t, m0); break;
+    case 5: tile<5>(L, X, t, m0); break;
+    case 6: tile<6>(L, X, t, m0); break;
+    case 7: tile<7>(L, X, t, m0); break;
+    default: tile<8>(L, X, t, m0); break;
+  }
 }
 
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                           const c10::optional<at::Tensor>& minimum, int64_t bits, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu() && x.is_contiguous(),
               "grouped_linear: x must be a contiguous 2-D float32 CPU tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0) * kTile;
   TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 16 || group == 32)),
               "grouped_linear: 4-bit groups of 32, or 8-bit groups of 16 or 32");
   TORCH_CHECK(K % (bits == 4 ? 64 : group) == 0, "grouped_linear: K = ", K, " is not a whole number of steps");
-  TORCH_CHECK(q.dim() == 2 && q.size(1) == K * bits / 8 && q.is_contiguous() && q.is_cpu() &&
-              (q.scalar_type() == at::kByte || q.scalar_type() == at::kChar), "grouped_linear: q must be [N, ",
-              K * bits / 8, "] bytes, got ", q.sizes());
+  TORCH_CHECK(q.dim() == 2 && q.size(1) == K * bits / 8 * kTile && q.is_contiguous() && q.is_cpu() &&
+              q.scalar_type() == at::kByte, "grouped_linear: q must be [N / 16, ", K * bits / 8 * kTile,
+              "] bytes (tiled), got ", q.sizes());
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N * (K / group),
-              "grouped_linear: scale must be [N, K / group] float32");
+              "grouped_linear: scale must be [N / 16, K / group * 16] float32");
   const bool has_minimum = minimum.has_value() && minimum->defined();
   TORCH_CHECK(has_minimum == (bits == 4), "grouped_linear: the 4-bit form has minimums, the 8-bit one none");
-  Layer L{x.data_ptr<float>(), reinterpret_cast<const uint8_t*>(q.data_ptr()), scale.data_ptr<float>(),
-          nullptr, nullptr, M, N, K};
+  Layer L{q.data_ptr<uint8_t>(), scale.data_ptr<float>(), nullptr, nullptr, M, N, K, group, bits};
   if (has_minimum) {
     TORCH_CHECK(minimum->scalar_type() == at::kFloat && minimum->is_contiguous() && minimum->numel() == N * (K / group),
-                "grouped_linear: minimum must be [N, K / group] float32");
+                "grouped_linear: minimum must be [N / 16, K / group * 16] float32");
     L.minimum = minimum->data_ptr<float>();
   }
   at::Tensor out = at::empty({M, N}, x.options());
   L.out = out.data_ptr<float>();
-  if (bits == 4) dispatch<FourBit>(L);
-  else if (group == 16) dispatch<EightBit<16>>(L);
-  else dispatch<EightBit<32>>(L);
+  if (M == 0) return out;
+  const Rows X = quantize(x.data_ptr<float>(), M, K, group);
+  // all M rows in equal chunks of at most 8: the first chunk streams the tile from memory, the next find it in cache
+  const int64_t chunks = (M + kMaxRows - 1) / kMaxRows, size = (M + chunks - 1) / chunks;
+  at::parallel_for(0, N / kTile, 4, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m0 = 0; m0 < M; m0 += size) chunk(L, X, t, m0, std::min<int64_t>(size, M - m0));
+  });
   return out;
 }
 

@@ -11,8 +11,10 @@ from transformers import DynamicCache
 
 
 def input_device(model) -> torch.device:
-    """Where the model wants its input ids (the embedding's device; with accelerate's device_map, the first shard)."""
-    return model.get_input_embeddings().weight.device
+    """Where the model wants its input ids (the embedding's device; with accelerate's device_map, the first shard).
+    An embedding may hold its weight as a buffer (grouped GGUF weights)."""
+    embedding = model.get_input_embeddings()
+    return next(iter([*embedding.parameters(), *embedding.buffers()])).device
 
 
 def context_length(model) -> int | None:

@@ -14,6 +14,7 @@ from specdec.cpu.grouped import (
     EIGHT_BIT,
     SHIPPED_TYPES,
     Grouped,
+    GroupedEmbedding,
     GroupedLinear,
     dequantize,
     grouped_kernel,
@@ -21,7 +22,7 @@ from specdec.cpu.grouped import (
     values,
 )
 from specdec.models.kernels import use_cpu_kernels
-from specdec.models.shipped import gguf_origin, linear_names, resolve_weights
+from specdec.models.shipped import gguf_names, gguf_origin, resolve_weights
 from specdec.models.sources import ModelSource
 from tests.support.models import make_model, perturbed_copy
 from tests.test_exactness import DRAFTER_SAMPLES, SETTINGS, VOCAB, draw, exact_distribution, goodness_of_fit, plain_p
@@ -99,6 +100,35 @@ def test_the_kernel_computes_the_layer_and_each_row_alone_gives_the_same_bits(qt
 
     alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
     assert torch.equal(alone, layer(x))
+
+
+@pytest.mark.parametrize("qtype", SHIPPED_TYPES)
+def test_a_grouped_embedding_looks_up_rows_bitwise_as_gguf_dequantizes_them(qtype):
+    grouped = pack(gguf_blocks(qtype, 37, 256, seed=3), qtype)
+    ids = torch.tensor([[0, 36, 15], [16, 17, 5]])
+    rows = GroupedEmbedding(grouped)(ids)
+    assert rows.shape == (2, 3, 256)
+    expected = dequantize(grouped)[ids.reshape(-1)].reshape(2, 3, 256)
+    assert torch.equal(rows.view(torch.int32), expected.view(torch.int32))
+
+
+def test_swapping_in_the_gguf_embedding_keeps_the_models_output_bitwise():
+    """`_swap` of the input embedding (GGUF's token_embd): no float table is left, and the logits are bitwise those
+    of the float model whose embedding is that tensor dequantized (the conversion's)."""
+    from specdec.models.shipped import _swap
+
+    model = make_model("qwen2", vocab_size=VOCAB, hidden=64, layers=1)
+    grouped = pack(gguf_blocks("Q8_0", VOCAB, 64, seed=4), "Q8_0")
+    with torch.no_grad():
+        model.get_input_embeddings().weight.copy_(dequantize(grouped))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        before = model(ids).logits
+        _swap(model, {"model.embed_tokens": {**grouped.tensors(), "group": torch.tensor(grouped.group)}})
+        after = model(ids).logits
+    assert isinstance(model.get_input_embeddings(), GroupedEmbedding)
+    assert not [name for name, _ in model.named_parameters() if "embed" in name]
+    assert torch.equal(after, before)
 
 
 def test_the_operator_refuses_a_bad_shape_with_a_message():
@@ -225,8 +255,9 @@ def test_only_a_model_from_a_gguf_file_has_shipped_weights(tmp_path):
     assert gguf_origin(ModelSource(str(tmp_path), "model.gguf")) == tmp_path / "model.gguf"
 
 
-def test_linear_layers_map_to_gguf_tensor_names():
-    names = linear_names(make_model("qwen2", layers=2))
+def test_linear_layers_and_the_embedding_map_to_gguf_tensor_names():
+    names = gguf_names(make_model("qwen2", layers=2))
     assert names["model.layers.1.self_attn.q_proj"] == "blk.1.attn_q.weight"
     assert names["model.layers.0.mlp.down_proj"] == "blk.0.ffn_down.weight"
-    assert names["lm_head"] == "output.weight" and len(names) == 2 * 7 + 1
+    assert names["lm_head"] == "output.weight" and names["model.embed_tokens"] == "token_embd.weight"
+    assert len(names) == 2 * 7 + 2

@@ -99,7 +99,7 @@ def use_gqa_attention(model) -> bool:
     CUDA models, other attention implementations and models without grouped heads are left as loaded.
     """
     if (model.config._attn_implementation != "sdpa" or not _is_grouped(model)
-            or model.get_input_embeddings().weight.device.type != "cpu"
+            or next(model.parameters()).device.type != "cpu"
             or not model._can_set_attn_implementation()):
         return False
     AttentionInterface.register(GQA_ATTENTION, gqa_sdpa_forward)  # idempotent: a named entry in the registry

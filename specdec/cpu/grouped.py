@@ -180,3 +180,25 @@ class GroupedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.bits}-bit groups of " \
                f"{self.group}"
+
+
+class GroupedEmbedding(nn.Module):
+    """A drop-in nn.Embedding over a grouped weight (GGUF's token_embd): each looked-up row dequantized, bitwise as
+    `dequantize` gives it, so the float table is never held."""
+
+    def __init__(self, grouped: Grouped):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = grouped.shape
+        self.bits, self.group = grouped.bits, grouped.group
+        self.register_buffer("q", grouped.q)
+        self.register_buffer("scale", grouped.scale)
+        self.register_buffer("minimum", grouped.minimum)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = Grouped(self.q[flat], self.scale[flat], None if self.minimum is None else self.minimum[flat],
+                       self.bits, self.group)
+        return dequantize(rows).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.bits}-bit groups of {self.group}"

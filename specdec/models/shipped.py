@@ -53,8 +53,9 @@ def gguf_origin(source: ModelSource):
     return next((s for s in (TARGET, DRAFT) if model_dir(s).resolve() == folder), None)
 
 
-def linear_names(model: nn.Module) -> dict[str, str]:
-    """Each linear layer's module name and its GGUF tensor's name, by gguf's own name map."""
+def gguf_names(model: nn.Module) -> dict[str, str]:
+    """Each linear layer's and the input embedding's module name, and its GGUF tensor's name, by gguf's own name
+    map."""
     import gguf
 
     config = model.config.get_text_config(decoder=True)
@@ -64,7 +65,8 @@ def linear_names(model: nn.Module) -> dict[str, str]:
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     out = {}
     for module_name, module in model.named_modules():
-        if isinstance(module, nn.Linear) or hasattr(module, "in_features") and hasattr(module, "out_features"):
+        if isinstance(module, (nn.Linear, nn.Embedding)) or hasattr(module, "in_features") and hasattr(
+                module, "out_features"):
             mapped = names.get_name(module_name)
             if mapped is not None:
                 out[module_name] = mapped + ".weight"
@@ -91,7 +93,7 @@ def pack_from_gguf(path: Path, names: dict[str, str]) -> dict[str, dict[str, tor
 def _code() -> str:
     from ..cpu import grouped
 
-    functions = (grouped.pack, pack_from_gguf, linear_names)
+    functions = (grouped.pack, pack_from_gguf, gguf_names)
     return hashlib.sha256("".join(inspect.getsource(f) for f in functions).encode()).hexdigest()[:16]
 
 
@@ -120,7 +122,7 @@ def _unflatten(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Te
 def packed_layers(model: nn.Module, source: ModelSource) -> dict[str, dict[str, torch.Tensor]]:
     """The grouped tensors of `model`'s linear layers, from the ready form or packed from the GGUF."""
     origin = gguf_origin(source)
-    names = linear_names(model)
+    names = gguf_names(model)
     if origin is None or not names:
         return {}
     if isinstance(origin, Path):
@@ -197,6 +199,7 @@ def load_shipped(source: ModelSource, role: str, dtype: torch.dtype, trust_remot
     if tensors is None:
         return None
     packed = _unflatten(tensors)
+    del tensors  # `_swap` lets each layer's packed tensors go once it holds them tiled
     with startup_step(f"read the {role}'s other weights") as note:
         state = {}
         for path in checkpoint_files(source.path):
@@ -214,23 +217,30 @@ def load_shipped(source: ModelSource, role: str, dtype: torch.dtype, trust_remot
 
 
 def _swap(model: nn.Module, packed: dict[str, dict[str, torch.Tensor]]) -> None:
-    from ..cpu.grouped import Grouped, GroupedLinear
+    """Put each module of `packed` in grouped form, emptying `packed` as it goes (each layer's packed tensors go
+    once it holds them tiled)."""
+    from ..cpu.grouped import Grouped, GroupedEmbedding, GroupedLinear
 
-    for module_name, tensors in packed.items():
+    for module_name in list(packed):
+        tensors = packed.pop(module_name)
         parent_name, _, child = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         layer = getattr(parent, child)
         tensors = dict(tensors)
         grouped = Grouped.from_tensors(tensors, int(tensors.pop("group")))
-        if grouped.shape != (layer.out_features, layer.in_features):
+        expected = tuple(layer.weight.shape)
+        if grouped.shape != expected:
             raise SpecDecError(f"the GGUF weight of {module_name} has shape {grouped.shape}, the model's layer "
-                               f"{(layer.out_features, layer.in_features)}")
-        setattr(parent, child, GroupedLinear(grouped, layer.bias))
+                               f"{expected}")
+        if isinstance(layer, nn.Embedding):
+            setattr(parent, child, GroupedEmbedding(grouped))
+        else:
+            setattr(parent, child, GroupedLinear(grouped, layer.bias))
 
 
 def use_shipped_weights(model: nn.Module, source: ModelSource) -> int:
-    """Swap `model`'s linear layers for grouped ones packed from its GGUF, in place (CPU models only). Returns how
-    many; a layer's bias moves with it, its float weight is dropped."""
+    """Swap `model`'s linear layers and input embedding for grouped ones packed from its GGUF, in place (CPU models
+    only). Returns how many; a layer's bias moves with it, its float weight is dropped."""
     from ..cpu.grouped import GroupedLinear, grouped_kernel
 
     if any(isinstance(m, GroupedLinear) for m in model.modules()):
@@ -239,7 +249,8 @@ def use_shipped_weights(model: nn.Module, source: ModelSource) -> int:
     if param.device.type != "cpu" or not grouped_kernel():
         return 0
     packed = packed_layers(model, source)
+    swapped = len(packed)
     _swap(model, packed)
-    if packed:
-        logger.debug("%d linear layers of %s use the GGUF's own weights", len(packed), type(model).__name__)
-    return len(packed)
+    if swapped:
+        logger.debug("%d layers of %s use the GGUF's own weights", swapped, type(model).__name__)
+    return swapped

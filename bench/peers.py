@@ -15,6 +15,7 @@ from the HTTP client, ours in-process).
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -38,7 +39,6 @@ CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=O
                "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
                "-DLLAMA_USE_PREBUILT_UI=OFF")  # the last: no fetch of the web UI's assets (no network here)
 PROMPTS = ("code_completion-0", "chat-13")  # one code prompt and one chat prompt of bench/prompts.jsonl
-CONFIGURATIONS = ("llama.cpp/target", "llama.cpp/draft", "specdec/target", "specdec/google")
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ class LlamaServer:
         return run
 
 
-def ours_run(decoder, ids: list[int], method: str, tokens: int, gamma: int) -> dict:
+def ours_run(decoder, ids: list[int], *, method: str, tokens: int, gamma: int) -> dict:
     """One greedy run of ours in-process, EOS ignored: the same figures as completion_run's."""
     stats = decoder.generate(ids, max_new_tokens=tokens, method=method, gamma=gamma, temperature=0, seed=0,
                              eos_token_id=[])
@@ -195,7 +195,9 @@ def ours_run(decoder, ids: list[int], method: str, tokens: int, gamma: int) -> d
 
 def summarise(runs: list[dict]) -> dict:
     """{configuration: {prompt: medians over repeats, and the prefix of tokens shared with our target-only}}."""
-    ours = {r["prompt"]: r["token_ids"] for r in runs if r["configuration"] == "specdec/target" and r["token_ids"]}
+    reference = next((c for c in dict.fromkeys(r["configuration"] for r in runs)
+                      if c.startswith("specdec") and c.endswith("/target")), None)  # the first weights' target-only
+    ours = {r["prompt"]: r["token_ids"] for r in runs if r["configuration"] == reference and r["token_ids"]}
     summary: dict = {}
     for configuration in dict.fromkeys(r["configuration"] for r in runs):
         for prompt in dict.fromkeys(r["prompt"] for r in runs):
@@ -226,8 +228,10 @@ def markdown(report: dict) -> str:
              f"llama.cpp: llama-server from the `llama-cpp-python=={report['llama_cpp_python']}` sdist's vendored "
              f"llama.cpp ({report['llama_server_version']}), `cmake {' '.join(CMAKE_FLAGS)}`; Q4_K_M GGUF files "
              f"as shipped. Server commands: " + "; ".join(f"`{c}`" for c in report["server_commands"].values()), "",
-             (f"specdec: the default pair as the service loads it (int8 draft, float32 target), gamma "
-              f"{report['gamma']}, {report['threads']} torch threads, in-process."
+             (f"specdec: the default pair as the service loads it, with each of `weights` = "
+              f"{', '.join(report.get('weights', ['float']))} (specdec-<weights> below; shipped: the GGUF's own 4- "
+              f"and 8-bit groups; float: dequantized, float32 target, int8 draft), gamma {report['gamma']}, "
+              f"{report['threads']} torch threads, in-process. Same tokens: against the first weights' target-only."
               if any(c.startswith("specdec/") for c in report["summary"]) else "specdec: not run (`--no-ours`)."),
              "",
              f"Both: the same prompt token ids (chat prompts through the target's chat template), greedy, EOS "
@@ -288,10 +292,11 @@ def measure(args, server: Path, models: dict[str, Path], logs: Path) -> tuple[li
 
     torch.set_num_threads(args.threads)
     items = {item["id"]: item for item in load_prompts(DEFAULT_PROMPTS)}
-    if args.ours:
-        draft, target, tokenizer = load_pair(device="cpu")
-        decoder = SpeculativeDecoder(draft, target, tokenizer)
-    else:  # the target's tokenizer alone, as load_pair gives it: the same token ids without our pair in memory
+    decoders = {}
+    for weights in args.weights if args.ours else ():
+        draft, target, tokenizer = load_pair(device="cpu", weights=weights)
+        decoders[weights] = SpeculativeDecoder(draft, target, tokenizer)
+    if not decoders:  # the target's tokenizer alone, as load_pair gives it: the same token ids without our pair in memory
         _, target_dir = default_pair.default_pair_paths(prepare=False)
         tokenizer = load_tokenizer(ModelSource(target_dir))
     ids = {p: encode(tokenizer, items[p]) for p in args.prompts}
@@ -304,11 +309,11 @@ def measure(args, server: Path, models: dict[str, Path], logs: Path) -> tuple[li
     runs = []
     with servers["target"] as alone, servers["draft"] as speculative:
         engines = {"llama.cpp/target": lambda i: alone.complete(i, args.tokens),
-                   "llama.cpp/draft": lambda i: speculative.complete(i, args.tokens, speculative=True),
-                   "specdec/target": lambda i: ours_run(decoder, i, "target", args.tokens, args.gamma),
-                   "specdec/google": lambda i: ours_run(decoder, i, "google", args.tokens, args.gamma)}
-        if not args.ours:
-            del engines["specdec/target"], engines["specdec/google"]
+                   "llama.cpp/draft": lambda i: speculative.complete(i, args.tokens, speculative=True)}
+        for weights, decoder in decoders.items():
+            for method in ("target", "google"):
+                engines[f"specdec-{weights}/{method}"] = functools.partial(ours_run, decoder, method=method,
+                                                                          tokens=args.tokens, gamma=args.gamma)
         for run in engines.values():  # warm-up
             run(ids[args.prompts[0]])
         for repeat in range(args.repeats):
@@ -340,6 +345,8 @@ def main(argv=None) -> int:
     parser.add_argument("--gamma", type=int, default=4, help="our Google's draft length (the service's default)")
     parser.add_argument("--draft-max", type=int, default=8, help="llama.cpp's --spec-draft-n-max")
     parser.add_argument("--context", type=int, default=4096, help="llama-server's -c")
+    parser.add_argument("--weights", type=lambda v: v.split(","), default=["shipped", "float"],
+                        help="our pair's weights, comma-separated (load_pair's `weights`), each measured")
     parser.add_argument("--no-ours", dest="ours", action="store_false",
                         help="llama.cpp alone (our pair takes about 9 GB of memory beside it)")
     parser.add_argument("--out", default="bench/results/peers")
@@ -364,7 +371,8 @@ def main(argv=None) -> int:
               "llama_cpp_python": LLAMA_CPP_PYTHON,
               "llama_server_version": server_version(server), "server_commands": commands,
               "prompts": args.prompts, "tokens": args.tokens, "repeats": args.repeats, "threads": args.threads,
-              "gamma": args.gamma, "draft_max": args.draft_max, "summary": summarise(runs), "runs": runs}
+              "gamma": args.gamma, "weights": args.weights if args.ours else [], "draft_max": args.draft_max,
+              "summary": summarise(runs), "runs": runs}
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     table = markdown(report)
     (out / "results.md").write_text(table, encoding="utf-8")

@@ -131,11 +131,38 @@ def test_swapping_in_the_gguf_embedding_keeps_the_models_output_bitwise():
     assert torch.equal(after, before)
 
 
+@pytest.mark.parametrize("qtype, form", [("Q4_K", torch.uint8), ("Q6_K", torch.int8), ("Q5_0", torch.float16),
+                                         ("Q8_0", torch.float16)])
+def test_compact_scales_give_the_kernel_the_float32_scales_bitwise(qtype, form):
+    """Scales held as integers times a unit per 256 values, or as float16, are the float32 scales exactly: the layer
+    computes bitwise what it computes with float32 scales."""
+    grouped = pack(gguf_blocks(qtype, 40, 512, seed=5), qtype)
+    layer = GroupedLinear(grouped)
+    assert layer.scale.dtype == form and (layer.minimum is None or layer.minimum.dtype == form)
+
+    def widened(values, unit):
+        if unit is None:
+            return values.float()
+        tiles = values.shape[0]
+        units = unit.reshape(tiles, -1, 16)
+        per = values.numel() // unit.numel()
+        return (units.repeat_interleave(per, dim=1) * values.reshape(tiles, -1, 16).float()).reshape(tiles, -1)
+
+    original = torch.nn.functional.pad(grouped.scale, (0, 0, 0, 8)).reshape(3, 16, -1).transpose(1, 2).reshape(3, -1)
+    assert torch.equal(widened(layer.scale, layer.scale_unit).view(torch.int32), original.view(torch.int32))
+    x = torch.randn(5, 512)
+    plain = torch.ops.specdec_grouped.grouped_linear(
+        x, layer.q, widened(layer.scale, layer.scale_unit), None,
+        None if layer.minimum is None else widened(layer.minimum, layer.minimum_unit), None, layer.bits, layer.group)
+    assert torch.equal(layer(x), plain[:, :40])
+    assert layer.scale.element_size() < 4
+
+
 def test_the_operator_refuses_a_bad_shape_with_a_message():
     grouped = pack(gguf_blocks("Q4_K", 4, 256), "Q4_K")
     with pytest.raises(RuntimeError, match="grouped_linear"):
-        torch.ops.specdec_grouped.grouped_linear(torch.randn(2, 128), grouped.q, grouped.scale, grouped.minimum, 4,
-                                                  32)
+        torch.ops.specdec_grouped.grouped_linear(torch.randn(2, 128), grouped.q, grouped.scale, None,
+                                                  grouped.minimum, None, 4, 32)
 
 
 # --- a pair on grouped weights: the engine's exactness -------------------------------------------------------------

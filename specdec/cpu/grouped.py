@@ -29,28 +29,32 @@ ONE = np.array([1.0], dtype=np.float16).view(np.uint8)  # fp16 1.0 as its two by
 @dataclass
 class Grouped:
     """One weight matrix in grouped form: q [N, K * bits / 8] (uint8 for 4-bit, int8 for 8-bit), scale and
-    minimum [N, K / group] float32 (minimum for 4-bit only)."""
+    minimum [N, K / group] float32 (minimum for 4-bit only). Where the GGUF type builds each scale as a float unit
+    per 256 values times a small integer (Q4_K, Q6_K), scale_unit and minimum_unit [N, K / 256] hold the units:
+    the kernel then reads the integers and the units, a quarter of the bytes (`tiled`)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     minimum: torch.Tensor | None
     bits: int
     group: int
+    scale_unit: torch.Tensor | None = None
+    minimum_unit: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.q.shape[0], self.q.shape[1] * 8 // self.bits
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"q": self.q, "scale": self.scale}
-        if self.minimum is not None:
-            out["minimum"] = self.minimum
-        return out
+        out = {"q": self.q, "scale": self.scale, "minimum": self.minimum, "scale_unit": self.scale_unit,
+               "minimum_unit": self.minimum_unit}
+        return {name: tensor for name, tensor in out.items() if tensor is not None}
 
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], group: int) -> "Grouped":
         bits = 4 if "minimum" in tensors else 8
-        return cls(tensors["q"], tensors["scale"], tensors.get("minimum"), bits, group)
+        return cls(tensors["q"], tensors["scale"], tensors.get("minimum"), bits, group, tensors.get("scale_unit"),
+                   tensors.get("minimum_unit"))
 
 
 def _blocks(data: np.ndarray, qtype: str) -> tuple[np.ndarray, int, int]:
@@ -78,7 +82,8 @@ def pack(data: np.ndarray, qtype: str) -> Grouped:
         minimum = dmin * m.astype(np.float32)
         q = np.ascontiguousarray(blocks[:, 16:]).reshape(n, -1)
         return Grouped(torch.from_numpy(q), torch.from_numpy(scale.reshape(n, -1)),
-                       torch.from_numpy(minimum.reshape(n, -1)), 4, 32)
+                       torch.from_numpy(minimum.reshape(n, -1)), 4, 32, torch.from_numpy(d.reshape(n, -1)),
+                       torch.from_numpy(dmin.reshape(n, -1)))
     group = EIGHT_BIT[qtype]
     ones = blocks.copy()  # the values alone: the library's own dequantization with every scale set to one
     if qtype == "Q6_K":
@@ -90,8 +95,9 @@ def pack(data: np.ndarray, qtype: str) -> Grouped:
         scale = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
         ones[:, 0:2] = ONE
     values = dequantize(ones, GGMLQuantizationType[qtype]).astype(np.int8)
+    unit = torch.from_numpy(d.reshape(n, -1)) if qtype == "Q6_K" else None
     return Grouped(torch.from_numpy(values.reshape(n, -1)), torch.from_numpy(scale.reshape(n, -1)), None, 8,
-                   group)
+                   group, unit)
 
 
 def values(grouped: Grouped) -> torch.Tensor:
@@ -125,52 +131,100 @@ def grouped_kernel() -> bool:
     return True
 
 
-def _shape(x, q, scale, minimum, bits, group):
+def _shape(x, q, scale, scale_unit, minimum, minimum_unit, bits, group):
     return x.new_empty(x.shape[0], q.shape[0] * TILE)
 
 
 TILE = 16  # weight rows the kernel interleaves (csrc/grouped_linear.cpp)
 
 
-def tiled(grouped: Grouped) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The kernel's layout of a grouped weight: rows padded to a multiple of 16 (zero weights), every 16 rows
-    interleaved 4 bytes at a time (q [N / 16, 16 * bytes per row]; 8-bit values stored as v + 128, unsigned), and
-    scales and minimums 16 rows side by side ([N / 16, groups * 16])."""
+def compact(scale: torch.Tensor, unit: torch.Tensor | None, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A group's scales (or minimums) in the fewest bytes that give them back bitwise in the kernel: integers times
+    a float32 unit per 256 values (uint8 or int8, with the unit), else float16, else float32 as they are."""
+    groups = scale.shape[1]
+    if unit is not None and unit.shape[1] * (256 // group) == groups:
+        units = unit.float().repeat_interleave(256 // group, dim=1)
+        multiple = torch.where(units != 0, scale / units, torch.zeros_like(scale)).round()
+        for dtype in (torch.uint8, torch.int8):
+            info = torch.iinfo(dtype)
+            if multiple.min() >= info.min and multiple.max() <= info.max and torch.equal(
+                    (units * multiple).view(torch.int32), scale.contiguous().view(torch.int32)):
+                return multiple.to(dtype), unit.float()
+    half = scale.half()
+    if torch.equal(half.float().view(torch.int32), scale.view(torch.int32)):
+        return half, None
+    return scale.float(), None
+
+
+@dataclass
+class Tiled:
+    """A grouped weight as the kernel reads it (`tiled`): q [N' / 16, 16 * bytes per row] with N' the rows padded
+    to a multiple of 16, every 16 rows interleaved 4 bytes at a time (8-bit values stored as v + 128, unsigned);
+    scales, minimums and their units (`compact`) 16 rows side by side ([N' / 16, groups * 16])."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    scale_unit: torch.Tensor | None
+    minimum: torch.Tensor | None
+    minimum_unit: torch.Tensor | None
+    bits: int
+    group: int
+    shape: tuple[int, int]  # the weight's (N, K)
+
+    BUFFERS = ("q", "scale", "scale_unit", "minimum", "minimum_unit")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Everything, the sizes included, as tensors (to keep in a safetensors file)."""
+        out = {name: getattr(self, name) for name in self.BUFFERS if getattr(self, name) is not None}
+        return {**out, "layout": torch.tensor([self.bits, self.group, *self.shape])}
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "Tiled":
+        bits, group, n, k = (int(v) for v in tensors["layout"])
+        return cls(*(tensors.get(name) for name in cls.BUFFERS), bits, group, (n, k))
+
+
+def tiled(grouped: Grouped) -> Tiled:
+    """The kernel's layout of a grouped weight (`Tiled`): rows padded with zero weights."""
     n, _ = grouped.shape
     pad = -n % TILE
-    q = grouped.q if grouped.bits == 4 else (grouped.q.to(torch.int16) + 128).to(torch.uint8)
-    q = torch.nn.functional.pad(q.contiguous(), (0, 0, 0, pad))
+    q = grouped.q if grouped.bits == 4 else grouped.q.view(torch.uint8) ^ 128  # v + 128, modulo 256
+    if pad:
+        q = torch.nn.functional.pad(q, (0, 0, 0, pad))
     tiles = q.shape[0] // TILE
-    words = q.view(torch.int32).reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
-    q = words.view(torch.uint8).reshape(tiles, -1)
+    words = q.contiguous().view(torch.int32).reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
 
     def side_by_side(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
-        t = torch.nn.functional.pad(t.float().contiguous(), (0, 0, 0, pad))
+        if pad:
+            t = torch.nn.functional.pad(t, (0, 0, 0, pad))
         return t.reshape(tiles, TILE, -1).transpose(1, 2).contiguous().reshape(tiles, -1)
 
-    return q, side_by_side(grouped.scale), side_by_side(grouped.minimum)
+    scale, scale_unit = compact(grouped.scale, grouped.scale_unit, grouped.group)
+    minimum, minimum_unit = (None, None) if grouped.minimum is None else compact(grouped.minimum,
+                                                                                 grouped.minimum_unit, grouped.group)
+    return Tiled(words.view(torch.uint8).reshape(tiles, -1), side_by_side(scale), side_by_side(scale_unit),
+                 side_by_side(minimum), side_by_side(minimum_unit), grouped.bits, grouped.group, grouped.shape)
 
 
 class GroupedLinear(nn.Module):
     """A drop-in nn.Linear over a grouped weight: float32 activations in and out, the weight never in float (held
     tiled, as the kernel reads it)."""
 
-    def __init__(self, grouped: Grouped, bias: torch.Tensor | None = None):
+    def __init__(self, weight: Grouped | Tiled, bias: torch.Tensor | None = None):
         super().__init__()
-        self.out_features, self.in_features = grouped.shape
-        self.bits, self.group = grouped.bits, grouped.group
-        q, scale, minimum = tiled(grouped)
-        self.register_buffer("q", q)
-        self.register_buffer("scale", scale)
-        self.register_buffer("minimum", minimum)
+        layout = weight if isinstance(weight, Tiled) else tiled(weight)
+        self.out_features, self.in_features = layout.shape
+        self.bits, self.group = layout.bits, layout.group
+        for name in Tiled.BUFFERS:
+            self.register_buffer(name, getattr(layout, name))
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float().contiguous()
-        out = torch.ops.specdec_grouped.grouped_linear(rows, self.q, self.scale, self.minimum, self.bits,
-                                                       self.group)
+        out = torch.ops.specdec_grouped.grouped_linear(rows, self.q, self.scale, self.scale_unit, self.minimum,
+                                                       self.minimum_unit, self.bits, self.group)
         if out.shape[1] != self.out_features:
             out = out[:, :self.out_features]
         if self.bias is not None:

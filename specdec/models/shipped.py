@@ -73,11 +73,13 @@ def gguf_names(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def pack_from_gguf(path: Path, names: dict[str, str]) -> dict[str, dict[str, torch.Tensor]]:
-    """module name: the grouped tensors of its GGUF weight, for every layer whose type has a grouped form."""
+def pack_from_gguf(path: Path, names: dict[str, str], embeddings: frozenset[str] = frozenset()
+                   ) -> dict[str, dict[str, torch.Tensor]]:
+    """module name: the tensors of its GGUF weight, for every module whose type has a grouped form: in the kernel's
+    layout (`tiled`) for a linear layer, grouped for an embedding (`embeddings`: their module names)."""
     import gguf
 
-    from ..cpu.grouped import SHIPPED_TYPES, pack
+    from ..cpu.grouped import SHIPPED_TYPES, pack, tiled
 
     reader = gguf.GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
@@ -86,14 +88,19 @@ def pack_from_gguf(path: Path, names: dict[str, str]) -> dict[str, dict[str, tor
         tensor = tensors.get(tensor_name)
         if tensor is not None and tensor.tensor_type.name in SHIPPED_TYPES:
             grouped = pack(tensor.data, tensor.tensor_type.name)
-            packed[module_name] = {**grouped.tensors(), "group": torch.tensor(grouped.group)}
+            packed[module_name] = ({**grouped.tensors(), "group": torch.tensor(grouped.group)}
+                                   if module_name in embeddings else tiled(grouped).tensors())
     return packed
+
+
+def _embeddings(model: nn.Module) -> frozenset[str]:
+    return frozenset(name for name, module in model.named_modules() if isinstance(module, nn.Embedding))
 
 
 def _code() -> str:
     from ..cpu import grouped
 
-    functions = (grouped.pack, pack_from_gguf, gguf_names)
+    functions = (grouped.pack, grouped.compact, grouped.tiled, grouped.Tiled, pack_from_gguf, gguf_names)
     return hashlib.sha256("".join(inspect.getsource(f) for f in functions).encode()).hexdigest()[:16]
 
 
@@ -126,7 +133,7 @@ def packed_layers(model: nn.Module, source: ModelSource) -> dict[str, dict[str, 
     if origin is None or not names:
         return {}
     if isinstance(origin, Path):
-        return pack_from_gguf(origin, names)
+        return pack_from_gguf(origin, names, _embeddings(model))
     form = shipped_form(source)
     if form.looks_current():
         from .checkpoint import read_header
@@ -142,7 +149,7 @@ def packed_layers(model: nn.Module, source: ModelSource) -> dict[str, dict[str, 
     with tempfile.TemporaryDirectory(dir=cache_root()) as scratch:
         joined = Path(scratch) / origin.filename
         join_parts(origin, joined)
-        packed = pack_from_gguf(joined, names)
+        packed = pack_from_gguf(joined, names, _embeddings(model))
     form.save(_flatten(packed))
     return packed
 
@@ -219,23 +226,23 @@ def load_shipped(source: ModelSource, role: str, dtype: torch.dtype, trust_remot
 def _swap(model: nn.Module, packed: dict[str, dict[str, torch.Tensor]]) -> None:
     """Put each module of `packed` in grouped form, emptying `packed` as it goes (each layer's packed tensors go
     once it holds them tiled)."""
-    from ..cpu.grouped import Grouped, GroupedEmbedding, GroupedLinear
+    from ..cpu.grouped import Grouped, GroupedEmbedding, GroupedLinear, Tiled
 
     for module_name in list(packed):
-        tensors = packed.pop(module_name)
+        tensors = dict(packed.pop(module_name))
         parent_name, _, child = module_name.rpartition(".")
         parent = model.get_submodule(parent_name)
         layer = getattr(parent, child)
-        tensors = dict(tensors)
-        grouped = Grouped.from_tensors(tensors, int(tensors.pop("group")))
+        weight = Tiled.from_tensors(tensors) if "layout" in tensors else Grouped.from_tensors(
+            tensors, int(tensors.pop("group")))
         expected = tuple(layer.weight.shape)
-        if grouped.shape != expected:
-            raise SpecDecError(f"the GGUF weight of {module_name} has shape {grouped.shape}, the model's layer "
-                               f"{expected}")
+        if tuple(weight.shape) != expected:
+            raise SpecDecError(f"the GGUF weight of {module_name} has shape {tuple(weight.shape)}, the model's "
+                               f"layer {expected}")
         if isinstance(layer, nn.Embedding):
-            setattr(parent, child, GroupedEmbedding(grouped))
+            setattr(parent, child, GroupedEmbedding(weight))
         else:
-            setattr(parent, child, GroupedLinear(grouped, layer.bias))
+            setattr(parent, child, GroupedLinear(weight, layer.bias))
 
 
 def use_shipped_weights(model: nn.Module, source: ModelSource) -> int:

@@ -13,6 +13,10 @@
 // The minimum's term takes the float sum of x itself. The weights are exactly the GGUF's; the activations' int8
 // rounding is the one approximation (bench/README.md gives its effect on the logits).
 //
+// Scales and minimums come in the smallest form that holds them exactly (grouped.py's `tiled` checks it): float32;
+// float16 (Q5_0 and Q8_0 ship their scales so); or a small integer per group times a float32 unit per 256 values
+// (Q4_K's d * sc and dmin * m, Q6_K's d * scale), multiplied back here in float32, bitwise the same product.
+//
 // Layout: 16 weight rows (a tile) interleaved 4 bytes at a time, so that one 512-bit load gives 16 output rows'
 // next 4 bytes and one VNNI instruction (vpdpbusd: unsigned bytes times signed bytes, summed in fours into int32)
 // adds 4 products to each of 16 outputs; x's 4 bytes are broadcast. The 4-bit form keeps GGUF's nibble order
@@ -24,6 +28,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -43,10 +48,29 @@ constexpr int kTile = 16;      // weight rows interleaved: one 512-bit register 
 constexpr int kChunk = 64;     // bytes per load: 4 bytes of each of 16 rows
 constexpr int kMaxRows = 8;    // rows of x per pass over a tile
 
+enum Form { kFloat, kHalf, kUnsigned, kSigned };
+
+struct Scales {          // per group and row: [N / 16, K / G, 16]
+  const void* values;    // float32, float16, or uint8 / int8 multiples of `unit`
+  const float* unit;     // [N / 16, K / 256, 16] float32, for the integer forms
+  Form form;
+  int64_t groups, per_unit;  // groups per row, groups per unit
+
+  float at(int64_t t, int64_t g, int r) const {  // one row's value, as `load` gives all 16
+    const int64_t i = (t * groups + g) * 16 + r;
+    switch (form) {
+      case kFloat: return static_cast<const float*>(values)[i];
+      case kHalf: return static_cast<float>(static_cast<const c10::Half*>(values)[i]);
+      case kUnsigned: return unit_at(t, g, r) * static_cast<float>(static_cast<const uint8_t*>(values)[i]);
+      default: return unit_at(t, g, r) * static_cast<float>(static_cast<const int8_t*>(values)[i]);
+    }
+  }
+  float unit_at(int64_t t, int64_t g, int r) const { return unit[(t * (groups / per_unit) + g / per_unit) * 16 + r]; }
+};
+
 struct Layer {
   const uint8_t* q;      // [N / 16, K * bits / 8 * 16], tiled
-  const float* scale;    // [N / 16, K / G, 16]
-  const float* minimum;  // same, 4-bit only
+  Scales scale, minimum; // minimum: 4-bit only
   float* out;            // [M, N]
   int64_t M, N, K, G, bits;
 };
@@ -90,13 +114,27 @@ inline int32_t word(const int8_t* p) {
 
 #ifdef SPECDEC_VNNI
 
+// Tile t's 16 values for group g.
+inline __m512 load(const Scales& S, int64_t t, int64_t g) {
+  const int64_t i = (t * S.groups + g) * 16;
+  switch (S.form) {
+    case kFloat: return _mm512_loadu_ps(static_cast<const float*>(S.values) + i);
+    case kHalf:
+      return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(S.values) + i)));
+    default: {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(S.values) + i));
+      const __m512i wide = S.form == kUnsigned ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes);
+      const __m512 unit = _mm512_loadu_ps(S.unit + (t * (S.groups / S.per_unit) + g / S.per_unit) * 16);
+      return _mm512_mul_ps(unit, _mm512_cvtepi32_ps(wide));
+    }
+  }
+}
+
 // Rows m0 .. m0 + M of x against tile t.
 template <int M>
 void four_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
   const int64_t K = L.K, groups = K / 32;
   const uint8_t* q = L.q + t * (K / 2) * kTile;
-  const float* scale = L.scale + t * groups * kTile;
-  const float* minimum = L.minimum + t * groups * kTile;
   const __m512i nibble = _mm512_set1_epi8(15);
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
@@ -115,8 +153,8 @@ void four_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
         high[m] = _mm512_dpbusd_epi32(high[m], hi, _mm512_set1_epi32(word(xs + 32)));
       }
     }
-    const __m512 s0 = _mm512_loadu_ps(scale + (2 * s) * kTile), s1 = _mm512_loadu_ps(scale + (2 * s + 1) * kTile);
-    const __m512 n0 = _mm512_loadu_ps(minimum + (2 * s) * kTile), n1 = _mm512_loadu_ps(minimum + (2 * s + 1) * kTile);
+    const __m512 s0 = load(L.scale, t, 2 * s), s1 = load(L.scale, t, 2 * s + 1);
+    const __m512 n0 = load(L.minimum, t, 2 * s), n1 = load(L.minimum, t, 2 * s + 1);
     for (int m = 0; m < M; ++m) {
       const int64_t g = (m0 + m) * groups + 2 * s;
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low[m]), _mm512_mul_ps(s0, _mm512_set1_ps(X.dx[g])), acc[m]);
@@ -132,7 +170,6 @@ template <int M>
 void eight_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
   const int64_t K = L.K, G = L.G, groups = K / G, chunks = G / 4;
   const uint8_t* q = L.q + t * K * kTile;
-  const float* scale = L.scale + t * groups * kTile;
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -145,7 +182,7 @@ void eight_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
       for (int m = 0; m < M; ++m)
         sum[m] = _mm512_dpbusd_epi32(sum[m], w, _mm512_set1_epi32(word(X.xq.data() + (m0 + m) * K + g * G + 4 * c)));
     }
-    const __m512 s = _mm512_loadu_ps(scale + g * kTile);
+    const __m512 s = load(L.scale, t, g);
     for (int m = 0; m < M; ++m) {
       const int64_t i = (m0 + m) * groups + g;
       const __m512i exact = _mm512_sub_epi32(sum[m], _mm512_set1_epi32(128 * X.qsum[i]));
@@ -162,8 +199,6 @@ template <int M>
 void four_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
   const int64_t K = L.K, groups = K / 32;
   const uint8_t* q = L.q + t * (K / 2) * kTile;
-  const float* scale = L.scale + t * groups * kTile;
-  const float* minimum = L.minimum + t * groups * kTile;
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < kTile; ++r) {
       float acc = 0.f;
@@ -177,10 +212,10 @@ void four_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
             high += (b >> 4) * xs[32];
           }
         const int64_t g = (m0 + m) * groups + 2 * s;
-        acc = std::fma(static_cast<float>(low), scale[2 * s * kTile + r] * X.dx[g], acc);
-        acc = std::fma(-minimum[2 * s * kTile + r], X.sum[g], acc);
-        acc = std::fma(static_cast<float>(high), scale[(2 * s + 1) * kTile + r] * X.dx[g + 1], acc);
-        acc = std::fma(-minimum[(2 * s + 1) * kTile + r], X.sum[g + 1], acc);
+        acc = std::fma(static_cast<float>(low), L.scale.at(t, 2 * s, r) * X.dx[g], acc);
+        acc = std::fma(-L.minimum.at(t, 2 * s, r), X.sum[g], acc);
+        acc = std::fma(static_cast<float>(high), L.scale.at(t, 2 * s + 1, r) * X.dx[g + 1], acc);
+        acc = std::fma(-L.minimum.at(t, 2 * s + 1, r), X.sum[g + 1], acc);
       }
       L.out[(m0 + m) * L.N + t * kTile + r] = acc;
     }
@@ -190,7 +225,6 @@ template <int M>
 void eight_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
   const int64_t K = L.K, G = L.G, groups = K / G, chunks = G / 4;
   const uint8_t* q = L.q + t * K * kTile;
-  const float* scale = L.scale + t * groups * kTile;
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < kTile; ++r) {
       float acc = 0.f;
@@ -200,7 +234,7 @@ void eight_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
           for (int j = 0; j < 4; ++j)
             sum += q[(g * chunks + c) * kChunk + 4 * r + j] * X.xq[(m0 + m) * K + g * G + 4 * c + j];
         const int64_t i = (m0 + m) * groups + g;
-        acc = std::fma(static_cast<float>(sum - 128 * X.qsum[i]), scale[g * kTile + r] * X.dx[i], acc);
+        acc = std::fma(static_cast<float>(sum - 128 * X.qsum[i]), L.scale.at(t, g, r) * X.dx[i], acc);
       }
       L.out[(m0 + m) * L.N + t * kTile + r] = acc;
     }
@@ -227,8 +261,33 @@ void chunk(const Layer& L, const Rows& X, int64_t t, int64_t m0, int64_t rows) {
   }
 }
 
+Scales scales(const at::Tensor& values, const c10::optional<at::Tensor>& unit, int64_t N, int64_t K,
+              int64_t group, const char* name) {
+  const int64_t groups = K / group;
+  TORCH_CHECK(values.is_contiguous() && values.numel() == N * groups, "grouped_linear: ", name,
+              " must be [N / 16, K / group * 16]");
+  Scales S{values.data_ptr(), nullptr, kFloat, groups, 256 / group};
+  switch (values.scalar_type()) {
+    case at::kFloat: S.form = kFloat; break;
+    case at::kHalf: S.form = kHalf; break;
+    case at::kByte: S.form = kUnsigned; break;
+    case at::kChar: S.form = kSigned; break;
+    default: TORCH_CHECK(false, "grouped_linear: ", name, " must be float32, float16, uint8 or int8");
+  }
+  const bool integer = S.form == kUnsigned || S.form == kSigned;
+  TORCH_CHECK(integer == (unit.has_value() && unit->defined()), "grouped_linear: ", name,
+              " takes a unit exactly when it is an integer form");
+  if (integer) {
+    TORCH_CHECK(K % 256 == 0 && unit->scalar_type() == at::kFloat && unit->is_contiguous() &&
+                unit->numel() == N * (K / 256), "grouped_linear: ", name, "'s unit must be [N / 16, K / 256 * 16] float32");
+    S.unit = unit->data_ptr<float>();
+  }
+  return S;
+}
+
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                          const c10::optional<at::Tensor>& minimum, int64_t bits, int64_t group) {
+                          const c10::optional<at::Tensor>& scale_unit, const c10::optional<at::Tensor>& minimum,
+                          const c10::optional<at::Tensor>& minimum_unit, int64_t bits, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu() && x.is_contiguous(),
               "grouped_linear: x must be a contiguous 2-D float32 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0) * kTile;
@@ -238,16 +297,10 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& q, const at::Te
   TORCH_CHECK(q.dim() == 2 && q.size(1) == K * bits / 8 * kTile && q.is_contiguous() && q.is_cpu() &&
               q.scalar_type() == at::kByte, "grouped_linear: q must be [N / 16, ", K * bits / 8 * kTile,
               "] bytes (tiled), got ", q.sizes());
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == N * (K / group),
-              "grouped_linear: scale must be [N / 16, K / group * 16] float32");
   const bool has_minimum = minimum.has_value() && minimum->defined();
   TORCH_CHECK(has_minimum == (bits == 4), "grouped_linear: the 4-bit form has minimums, the 8-bit one none");
-  Layer L{q.data_ptr<uint8_t>(), scale.data_ptr<float>(), nullptr, nullptr, M, N, K, group, bits};
-  if (has_minimum) {
-    TORCH_CHECK(minimum->scalar_type() == at::kFloat && minimum->is_contiguous() && minimum->numel() == N * (K / group),
-                "grouped_linear: minimum must be [N / 16, K / group * 16] float32");
-    L.minimum = minimum->data_ptr<float>();
-  }
+  Layer L{q.data_ptr<uint8_t>(), scales(scale, scale_unit, N, K, group, "scale"), {}, nullptr, M, N, K, group, bits};
+  if (has_minimum) L.minimum = scales(*minimum, minimum_unit, N, K, group, "minimum");
   at::Tensor out = at::empty({M, N}, x.options());
   L.out = out.data_ptr<float>();
   if (M == 0) return out;
@@ -264,7 +317,8 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& q, const at::Te
 }  // namespace
 
 TORCH_LIBRARY(specdec_grouped, m) {
-  m.def("grouped_linear(Tensor x, Tensor q, Tensor scale, Tensor? minimum, int bits, int group) -> Tensor");
+  m.def("grouped_linear(Tensor x, Tensor q, Tensor scale, Tensor? scale_unit, Tensor? minimum, Tensor? minimum_unit, "
+        "int bits, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec_grouped, CPU, m) {

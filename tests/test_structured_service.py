@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from specdec.serve.structured import parse_tool_calls, template_messages
+from specdec.serve.structured import ToolCallReader, parse_tool_calls, template_messages
 
 pytestmark = [pytest.mark.usefixtures("clean_env"), pytest.mark.xdist_group("openai")]
 
@@ -80,6 +80,48 @@ def test_tool_calls_are_read_back_and_text_kept():
     assert json.loads(calls[0].function.arguments) == {"x": 1} and calls[0].id != calls[1].id
     assert parse_tool_calls("no calls here") == ("no calls here", [])
     assert parse_tool_calls("<tool_call>\n{broken\n</tool_call>") == ("<tool_call>\n{broken\n</tool_call>", [])
+
+
+def test_tool_calls_read_as_the_text_grows_stream_their_arguments_as_parsed():
+    """Character by character: each call's id and name once the name is complete, then its arguments' own text in
+    pieces, which join to the arguments `parse_tool_calls` reads from the whole text (braces and quotes inside
+    strings included)."""
+    text = ('<tool_call>\n{"name": "f", "arguments": {"x": "a}\\"{", "y": [1, {"z": 2}]}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "g", "arguments": {}}\n</tool_call>')
+    reader, pieces = ToolCallReader(), []
+    for end in range(len(text) + 1):
+        pieces += reader.read(text[:end])
+    heads = [(index, name) for index, call_id, name, _ in pieces if call_id]
+    assert heads == [(0, "f"), (1, "g")]
+    arguments = ["".join(piece for i, call_id, _, piece in pieces if i == index and not call_id) for index in (0, 1)]
+    assert arguments == [call.function.arguments for call in parse_tool_calls(text)[1]]
+    assert json.loads(arguments[0]) == {"x": 'a}"{', "y": [1, {"z": 2}]}
+    assert sum(1 for i, call_id, _, _ in pieces if i == 0 and not call_id) > 10  # in pieces, not at the end
+    assert reader.read(text) == []  # nothing twice
+
+
+def test_a_streamed_tool_call_sends_its_arguments_as_they_are_decoded(client):
+    """The required tool's call streamed by OpenAI's chunks: the id and name once, then the arguments in several
+    pieces, which join to the arguments of the same request answered whole."""
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "required": ["a", "b"], "additionalProperties": False,
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                       "b": {"type": "integer", "minimum": 0, "maximum": 999}}}}}
+    body = {"model": "target", "messages": [{"role": "user", "content": "add"}], "tools": [tool], "seed": 3,
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 120}
+    whole = client.post("/v1/chat/completions", json=body).get_json()["choices"][0]
+    response = client.post("/v1/chat/completions", json={**body, "stream": True})
+    chunks = [json.loads(line.removeprefix("data: ")) for line in response.get_data(as_text=True).splitlines()
+              if line.startswith("data: {")]
+    deltas = [call for chunk in chunks for choice in chunk["choices"]
+              for call in choice["delta"].get("tool_calls") or []]
+    assert whole["finish_reason"] == chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    heads = [d for d in deltas if d.get("id")]
+    assert len(heads) == 1 and heads[0]["function"]["name"] == "add" and heads[0]["type"] == "function"
+    pieces = [d["function"]["arguments"] for d in deltas if not d.get("id")]
+    assert len(pieces) > 1
+    assert "".join(pieces) == whole["message"]["tool_calls"][0]["function"]["arguments"]
+    assert set(json.loads("".join(pieces))) == {"a", "b"}
 
 
 @pytest.fixture

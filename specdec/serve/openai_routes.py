@@ -42,7 +42,7 @@ from .openai_protocol import (
     parse,
 )
 from .protocol import read_json_object
-from .structured import parse_tool_calls
+from .structured import ToolCallReader, parse_tool_calls
 
 openai_routes = Blueprint("openai", __name__, url_prefix="/v1")
 DONE = "data: [DONE]\n\n"
@@ -237,6 +237,18 @@ class Reply:
 
     # --- logprobs: (token id, TokenLogprobs or None, text offset) entries in the two shapes -------------------
 
+    def _call_deltas(self, pieces, streamed: dict[int, str], index: int):
+        """A chunk per piece of a tool call, as OpenAI streams one: its id and name first, then its arguments."""
+        for i, call_id, name, arguments in pieces:
+            if name is not None:
+                streamed[i] = ""
+                delta = ToolCallDelta(index=i, id=call_id, type="function",
+                                      function=FunctionCallDelta(name=name, arguments=""))
+            else:
+                streamed[i] += arguments
+                delta = ToolCallDelta(index=i, function=FunctionCallDelta(arguments=arguments))
+            yield self._chunk(None, index, calls=[delta])
+
     def _prompt_entries(self, choices: Choices, index: int, generation: Generation) -> list[tuple]:
         """The prompt's tokens, with echo and logprobs: offsets from their text pieces."""
         if not self.logprobs or choices.echoes is None or generation.prompt_logprobs is None:
@@ -345,11 +357,15 @@ class Reply:
         completion = generation.completion
         text, entries = choices.echo(index), []  # not sent yet: the round that ended decoding goes with finish
         first = True
+        reader, streamed = ToolCallReader(), {}  # with tools: the calls so far, and each one's arguments sent
         while generation.step() is not None:
             if first:
                 entries += self._prompt_entries(choices, index, generation)
                 first = False
-            if self.tools:  # calls are read out of the whole text, at its end
+            if self.tools:  # text is held to the end (calls taken out of it); calls go out as they are decoded
+                text += completion.take()
+                for chunk in self._call_deltas(reader.read(text), streamed, index):
+                    yield chunk
                 continue
             text += completion.take()
             entries += self._entries(choices, index, generation, completion.take_tokens())
@@ -361,12 +377,15 @@ class Reply:
         stats = SpeculativeDecodingStats.of(generation.stats())
         if self.tools:  # the text was held back: the calls in it, then whatever text is left
             content, calls = parse_tool_calls(text)
-            for i, call in enumerate(calls):  # as OpenAI streams a call: its id and name, then its arguments
-                head = ToolCallDelta(index=i, id=call.id, type="function",
-                                     function=FunctionCallDelta(name=call.function.name, arguments=""))
-                yield self._chunk(None, index, calls=[head])
-                yield self._chunk(None, index, calls=[ToolCallDelta(
-                    index=i, function=FunctionCallDelta(arguments=call.function.arguments))])
+            for chunk in self._call_deltas(reader.read(text), streamed, index):
+                yield chunk
+            for i, call in enumerate(calls):  # what the reader could not stream: the rest of each call
+                if i not in streamed:
+                    yield from self._call_deltas([(i, call.id, call.function.name, "")], streamed, index)
+                sent = streamed[i]
+                if call.function.arguments != sent and call.function.arguments.startswith(sent):
+                    yield from self._call_deltas([(i, None, None, call.function.arguments[len(sent):])], streamed,
+                                                 index)
             yield self._chunk(content if content or not calls else None, index, finish_reason(generation, bool(calls)),
                               stats, logprobs=self._logprobs(choices.svc, entries))
             return

@@ -20,6 +20,8 @@ from ..grammar import JSON_OPTIONS, MAX_CHOICES, Constraint
 
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
 CALL = re.compile(re.escape(CALL_BEGIN) + r"\s*(\{.*?\})\s*" + re.escape(CALL_END), re.DOTALL)
+# a call's beginning, up to where its arguments start: its name is then known
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
 FUNCTION_NAME = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for function and schema names
 MAX_TOOLS = 128
 
@@ -200,7 +202,9 @@ def tool_constraint(tools: list[Tool], tool_choice, parallel: bool, special: boo
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(the text outside the calls, or None if there is none; the calls) of a completion."""
+    """(the text outside the calls, or None if there is none; the calls) of a completion. A call's arguments are
+    the model's own JSON text where they are an object after the name (as `ToolCallReader` streams them), else
+    re-serialized."""
     calls = []
     for match in CALL.finditer(text):
         try:
@@ -210,11 +214,75 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             continue
         arguments = call.get("arguments", {})
-        calls.append(ToolCall(id="call_" + uuid.uuid4().hex[:24],
-                              function=FunctionCall(name=call["name"], arguments=json.dumps(arguments,
-                                                                                             ensure_ascii=False))))
+        head = CALL_HEAD.match(match.group(1))
+        end = value_end(match.group(1), head.end()) if head and isinstance(arguments, dict) else None
+        raw = match.group(1)[head.end():end] if end is not None else json.dumps(arguments, ensure_ascii=False)
+        calls.append(ToolCall(id=call_id(), function=FunctionCall(name=call["name"], arguments=raw)))
     content = CALL.sub("", text).strip() if calls else text
     return content or None, calls
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def value_end(text: str, start: int) -> int | None:
+    """Where the JSON object or array that starts at text[start] ends (the index after it), or None if it does not
+    end within the text (or does not start there)."""
+    if start >= len(text) or text[start] not in "{[":
+        return None
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (c == "\\", c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+class ToolCallReader:
+    """Tool calls read out of a completion's text as it grows, as OpenAI streams them: a call's id and name once its
+    name is complete, then its arguments' JSON text piece by piece as it is decoded, up to the object's end.
+    `read(text)` takes the whole text so far and returns [(index, id or None, name or None, arguments piece)]."""
+
+    def __init__(self):
+        self.calls: list[dict] = []  # {"start": where its arguments start in the text, "sent": chars sent, "done"}
+
+    def read(self, text: str) -> list[tuple[int, str | None, str | None, str]]:
+        out, begin = [], 0
+        for index in range(len(self.calls) + 1):
+            begin = text.find(CALL_BEGIN, begin)
+            if begin < 0:
+                break
+            begin += len(CALL_BEGIN)
+            if index == len(self.calls):
+                head = CALL_HEAD.match(text, begin)
+                if head is None or head.end() >= len(text):
+                    break  # its name is not complete yet, or its arguments have not begun
+                try:
+                    name = json.loads(f'"{head.group(1)}"')
+                except json.JSONDecodeError:
+                    break
+                self.calls.append({"start": head.end(), "sent": 0, "done": text[head.end()] not in "{["})
+                out.append((index, call_id(), name, ""))
+            call = self.calls[index]
+            if call["done"]:
+                continue
+            end = value_end(text, call["start"])
+            stop = len(text) if end is None else end
+            piece = text[call["start"] + call["sent"]:stop]
+            if piece:
+                out.append((index, None, None, piece))
+            call["sent"] = stop - call["start"]
+            call["done"] = end is not None
+        return out
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

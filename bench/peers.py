@@ -35,8 +35,13 @@ from specdec.models.default_pair import GGUFSource
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_CPP_PYTHON = "0.3.36"
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
+# Native, without Intel AMX: on our Xeons with AMX, llama-server's AMX matmul dies with SIGSEGV at its first
+# forward (in ggml_backend_amx_mul_mat; the sandbox does not grant the tile state), and decoding at batch 1 does not
+# use AMX anyway. -mno-amx-* wins over -march=native in either order (gcc and clang).
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={NO_AMX}",
+               f"-DCMAKE_CXX_FLAGS={NO_AMX}", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
                "-DLLAMA_USE_PREBUILT_UI=OFF")  # the last: no fetch of the web UI's assets (no network here)
 PROMPTS = ("code_completion-0", "chat-13")  # one code prompt and one chat prompt of bench/prompts.jsonl
 
@@ -232,7 +237,7 @@ def markdown(report: dict) -> str:
               f"{', '.join(report.get('weights', ['float']))} (specdec-<weights> below; shipped: the GGUF's own 4- "
               f"and 8-bit groups; float: dequantized, float32 target, int8 draft), gamma {report['gamma']}, "
               f"{report['threads']} torch threads, in-process. Same tokens: against the first weights' target-only."
-              if any(c.startswith("specdec/") for c in report["summary"]) else "specdec: not run (`--no-ours`)."),
+              if any(c.startswith("specdec") for c in report["summary"]) else "specdec: not run (`--no-ours`)."),
              "",
              f"Both: the same prompt token ids (chat prompts through the target's chat template), greedy, EOS "
              f"ignored, {report['tokens']} new tokens, median of {report['repeats']} after a warm-up. Decode: the "

@@ -156,9 +156,9 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
                         help="int8 (default): a draft on CPU runs int8-quantized (loaded in float32, also beside a "
                              "bfloat16 target), 2.5-3x cheaper; outputs stay exactly the target's. none: the draft "
                              "as loaded")
-    parser.add_argument("--weights", default="float", type=str.lower, choices=("shipped", "float"),
-                        help="float (default): weights dequantized to float; shipped: a model from a GGUF file (the "
-                             "default pair) computes with the GGUF's own 4- and 8-bit weights on CPU")
+    parser.add_argument("--weights", default="shipped", type=str.lower, choices=("shipped", "float"),
+                        help="shipped (default): a model from a GGUF file (the default pair) computes with the GGUF's "
+                             "own 4- and 8-bit weights on CPU; float: weights dequantized to float")
     parser.add_argument("--compile", default="auto", type=str.lower, choices=("auto", "true", "false"),
                         help="the compiled static-cache path (torch.compile of each model's forwards of 1-17 tokens, "
                              "compiled at start-up): auto (default) is on for CUDA, off on CPU")

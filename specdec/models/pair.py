@@ -22,7 +22,7 @@ from .tokenizers import load_and_check_tokenizers
 
 def load_pair(draft: str | None = None, target: str | None = None, device: str = "auto", dtype: str = "auto",
               device_map=None, trust_remote_code: bool = False, cpu_kernels: bool = True,
-              draft_quantization: str | None = "int8", compile: str | bool = "auto", weights: str = "float"):
+              draft_quantization: str | None = "int8", compile: str | bool = "auto", weights: str = "shipped"):
     """(draft_model, target_model, tokenizer) ready for SpeculativeDecoder; None or "default" is the default pair.
 
     `device_map` (e.g. "auto") spreads the target over several GPUs with accelerate; the draft stays on `device`.
@@ -41,12 +41,14 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     KV cache preallocated, and its forwards of up to `compiled.MAX_WIDTH` tokens compiled with torch.compile, every
     width before this returns. "auto" is on for CUDA and off on CPU (`compiled.resolve_compile`).
 
-    `weights`: "float" (default) or "shipped". "shipped": a CPU model that comes from a GGUF file (the default
-    pair, or a .gguf path) serves its linear layers in the GGUF's own low-bit forms, computed by a few-rows kernel
-    (specdec.cpu.grouped; specdec.models.shipped): the same weights, about a fifth of the bytes per token. Such a
-    draft is then not quantized again (draft_quantization does not apply to it). "float": every layer in float, as
-    dequantized when the GGUF was converted: the default, since it measured faster on our CPUs (target-only 7.5
-    against 5.9 tokens/s, Google 12.5 against 6.1; the grouped kernel is bound by its arithmetic, not its bytes). Other models are loaded as they are either way.
+    `weights`: "shipped" (default) or "float". "shipped": a CPU model that comes from a GGUF file (the default
+    pair, or a .gguf path) serves its linear layers and token embedding in the GGUF's own low-bit forms, computed
+    by a few-rows integer kernel with x quantized to int8 per group (specdec.cpu.grouped; specdec.models.shipped):
+    the same weights, about a fifth of the bytes per token. Such a draft is then not quantized again
+    (draft_quantization does not apply to it). It is the default because it measured faster on our CPUs
+    (target-only 14.1 against 4.5 tokens/s, Google 18.3 against 12.6 on code; bench/results/peers). "float": every
+    layer in float, as dequantized when the GGUF was converted. CUDA models and other models are loaded as they
+    are either way.
 
     Each step logs one line with its seconds ("start-up: ...").
     """

@@ -98,17 +98,19 @@ def main(argv=None):
                                           eos_token_id=eos)
                 text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
                 stats = result.stats
-                runs.append({"prompt": item["id"], "category": item["category"], "repeat": repeat, "method": label,
+                # the stats' own "method" (google, target) under its name, the label as "method"
+                runs.append({**stats.as_dict(), "engine_method": stats.method, "prompt": item["id"],
+                             "category": item["category"], "repeat": repeat, "method": label,
                              "finish_reason": result.finish_reason,
                              "valid": valid(text, schema, tools) if result.finish_reason == "stop" else None,
-                             "compile_seconds": compile_seconds, **stats.as_dict()})
+                             "compile_seconds": compile_seconds})
                 print(f"{item['id']:<10} {label:<22} {stats.new_tokens:>4} tokens {stats.tokens_per_second:6.2f} "
                       f"tok/s {stats.tokens_per_target_forward:5.2f} tok/fwd forced {stats.forced_tokens} "
                       f"valid {runs[-1]['valid']}", flush=True)
-    report(runs)
-    if args.out:
+    if args.out:  # before the report, so that a report's failure loses no runs
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "runs.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    report(runs)
 
 
 def _ratio(runs, baseline, decode: bool):

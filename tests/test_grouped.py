@@ -76,6 +76,7 @@ def quantized_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
 def test_the_kernel_computes_the_layer_and_each_row_alone_gives_the_same_bits(qtype, rows):
     """Against float64: the kernel's own arithmetic (integer sums over x quantized per group, then the scales) to
     float rounding; the float layer within the bound that quantizing x allows, sum over k of |w| * dx / 2."""
+    torch.manual_seed(rows)
     grouped = pack(gguf_blocks(qtype, 37, 512, seed=rows), qtype)  # 37 outputs: two tiles of 16 and a padded one
     bias = torch.randn(37)
     layer = GroupedLinear(grouped, bias)
@@ -288,3 +289,21 @@ def test_linear_layers_and_the_embedding_map_to_gguf_tensor_names():
     assert names["model.layers.0.mlp.down_proj"] == "blk.0.ffn_down.weight"
     assert names["lm_head"] == "output.weight" and names["model.embed_tokens"] == "token_embd.weight"
     assert len(names) == 2 * 7 + 2
+
+
+def test_shipped_weights_apply_to_gguf_models_on_one_cpu_with_the_vnni_kernel(monkeypatch, tmp_path, caplog):
+    import logging
+
+    from specdec.cpu import grouped
+    from specdec.models.shipped import shipped_applies
+
+    gguf, plain, cpu = ModelSource(str(tmp_path), "model.gguf"), ModelSource(str(tmp_path)), torch.device("cpu")
+    assert shipped_applies("shipped", cpu, None, [plain, gguf]) == grouped.fast_kernel()
+    assert not shipped_applies("float", cpu, None, [gguf])
+    assert not shipped_applies("shipped", torch.device("cuda"), None, [gguf])
+    assert not shipped_applies("shipped", cpu, "auto", [gguf])
+    assert not shipped_applies("shipped", cpu, None, [plain])  # nothing shipped in low-bit form
+    monkeypatch.setattr(grouped, "fast_kernel", lambda: False)  # the lane-by-lane kernel only: float instead
+    with caplog.at_level(logging.WARNING, logger="specdec.models.shipped"):
+        assert not shipped_applies("shipped", cpu, None, [gguf])
+    assert "VNNI" in caplog.text

@@ -14,7 +14,7 @@ from .kernels import apply_cpu_kernels, layer_kinds
 from .load import load_draft, load_model, read_soon
 from .memory import release_free_memory
 from .quantization import resolve_draft_quantization
-from .shipped import gguf_origin, kept_form_current, load_shipped, resolve_weights, use_shipped_weights
+from .shipped import gguf_origin, kept_form_current, load_shipped, resolve_weights, shipped_applies, use_shipped_weights
 from .sources import resolve_device, resolve_dtype, resolve_source
 from .startup import startup_step
 from .tokenizers import load_and_check_tokenizers
@@ -62,7 +62,7 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
         weights = resolve_weights(weights)
         target_source = resolve_source(target, "target")
         draft_source = resolve_source(draft, "draft")
-        shipped = weights == "shipped" and device.type == "cpu" and device_map is None
+        shipped = shipped_applies(weights, device, device_map, (draft_source, target_source))
         if shipped and gguf_origin(draft_source) is not None:
             draft_quantization = "none"  # its own low-bit weights instead
 

@@ -40,6 +40,22 @@ def resolve_weights(value) -> str:
     return name
 
 
+def shipped_applies(weights: str, device: torch.device, device_map, sources) -> bool:
+    """Whether `weights` = "shipped" takes effect: CPU models on one device, one of `sources` from a GGUF file, and
+    the VNNI kernel. Without VNNI the kernel computes lane by lane (exact, tens of times slower): float weights are
+    used then, with a warning."""
+    if weights != "shipped" or device.type != "cpu" or device_map is not None:
+        return False
+    if all(gguf_origin(source) is None for source in sources):
+        return False  # nothing shipped in low-bit form: the models load as they are
+    from ..cpu.grouped import fast_kernel
+
+    if not fast_kernel():
+        logger.warning("weights = shipped: this CPU has no AVX-512 VNNI for the grouped kernel; serving float weights")
+        return False
+    return True
+
+
 def gguf_origin(source: ModelSource):
     """What a model's GGUF is: a path (a GGUF file given by path), the default pair's GGUFSource (a folder the
     cache converted from one), or None (a float checkpoint)."""

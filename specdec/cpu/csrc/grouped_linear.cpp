@@ -316,7 +316,16 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& q, const at::Te
 
 }  // namespace
 
+bool vnni() {
+#ifdef SPECDEC_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
 TORCH_LIBRARY(specdec_grouped, m) {
+  m.def("vnni() -> bool", &vnni);  // whether this build has the VNNI kernel, or only the lane-by-lane one
   m.def("grouped_linear(Tensor x, Tensor q, Tensor scale, Tensor? scale_unit, Tensor? minimum, Tensor? minimum_unit, "
         "int bits, int group) -> Tensor");
 }

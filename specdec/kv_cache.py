@@ -5,6 +5,7 @@ never sliced by hand.
 """
 
 import inspect
+import itertools
 
 import torch
 from transformers import DynamicCache
@@ -14,7 +15,7 @@ def input_device(model) -> torch.device:
     """Where the model wants its input ids (the embedding's device; with accelerate's device_map, the first shard).
     An embedding may hold its weight as a buffer (grouped GGUF weights)."""
     embedding = model.get_input_embeddings()
-    return next(iter([*embedding.parameters(), *embedding.buffers()])).device
+    return next(itertools.chain(embedding.parameters(), embedding.buffers())).device
 
 
 def context_length(model) -> int | None:

@@ -24,6 +24,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..kv_cache import input_device
 from ..params import MAX_GAMMA
 
 logger = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def use_gqa_attention(model) -> bool:
     CUDA models, other attention implementations and models without grouped heads are left as loaded.
     """
     if (model.config._attn_implementation != "sdpa" or not _is_grouped(model)
-            or next(model.parameters()).device.type != "cpu"
+            or input_device(model).type != "cpu"
             or not model._can_set_attn_implementation()):
         return False
     AttentionInterface.register(GQA_ATTENTION, gqa_sdpa_forward)  # idempotent: a named entry in the registry

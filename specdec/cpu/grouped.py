@@ -24,6 +24,7 @@ EIGHT_BIT = {"Q6_K": 16, "Q5_0": 32, "Q8_0": 32}  # type: group size
 SHIPPED_TYPES = (*FOUR_BIT, *EIGHT_BIT)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "grouped_linear.cpp"
 ONE = np.array([1.0], dtype=np.float16).view(np.uint8)  # fp16 1.0 as its two bytes
+TILE = 16  # weight rows the kernel interleaves (csrc/grouped_linear.cpp)
 
 
 @dataclass
@@ -141,8 +142,6 @@ def fast_kernel() -> bool:
 def _shape(x, q, scale, scale_unit, minimum, minimum_unit, bits, group):
     return x.new_empty(x.shape[0], q.shape[0] * TILE)
 
-
-TILE = 16  # weight rows the kernel interleaves (csrc/grouped_linear.cpp)
 
 
 def compact(scale: torch.Tensor, unit: torch.Tensor | None, group: int) -> tuple[torch.Tensor, torch.Tensor | None]:

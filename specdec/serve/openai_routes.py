@@ -362,12 +362,10 @@ class Reply:
             if first:
                 entries += self._prompt_entries(choices, index, generation)
                 first = False
-            if self.tools:  # text is held to the end (calls taken out of it); calls go out as they are decoded
-                text += completion.take()
-                for chunk in self._call_deltas(reader.read(text), streamed, index):
-                    yield chunk
-                continue
             text += completion.take()
+            if self.tools:  # text is held to the end (calls taken out of it); calls go out as they are decoded
+                yield from self._call_deltas(reader.read(text), streamed, index)
+                continue
             entries += self._entries(choices, index, generation, completion.take_tokens())
             if not generation.final and (text or entries):
                 yield self._chunk(text, index, logprobs=self._logprobs(choices.svc, entries))
@@ -377,8 +375,7 @@ class Reply:
         stats = SpeculativeDecodingStats.of(generation.stats())
         if self.tools:  # the text was held back: the calls in it, then whatever text is left
             content, calls = parse_tool_calls(text)
-            for chunk in self._call_deltas(reader.read(text), streamed, index):
-                yield chunk
+            yield from self._call_deltas(reader.read(text), streamed, index)
             for i, call in enumerate(calls):  # what the reader could not stream: the rest of each call
                 if i not in streamed:
                     yield from self._call_deltas([(i, call.id, call.function.name, "")], streamed, index)

@@ -61,11 +61,11 @@ struct Scales {          // per group and row: [N / 16, K / G, 16]
     switch (form) {
       case kFloat: return static_cast<const float*>(values)[i];
       case kHalf: return static_cast<float>(static_cast<const c10::Half*>(values)[i]);
-      case kUnsigned: return unit_at(t, g, r) * static_cast<float>(static_cast<const uint8_t*>(values)[i]);
-      default: return unit_at(t, g, r) * static_cast<float>(static_cast<const int8_t*>(values)[i]);
+      case kUnsigned: return unit[units(t, g) + r] * static_cast<float>(static_cast<const uint8_t*>(values)[i]);
+      default: return unit[units(t, g) + r] * static_cast<float>(static_cast<const int8_t*>(values)[i]);
     }
   }
-  float unit_at(int64_t t, int64_t g, int r) const { return unit[(t * (groups / per_unit) + g / per_unit) * 16 + r]; }
+  int64_t units(int64_t t, int64_t g) const { return (t * (groups / per_unit) + g / per_unit) * 16; }  // tile t's, g's
 };
 
 struct Layer {
@@ -124,7 +124,7 @@ inline __m512 load(const Scales& S, int64_t t, int64_t g) {
     default: {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(S.values) + i));
       const __m512i wide = S.form == kUnsigned ? _mm512_cvtepu8_epi32(bytes) : _mm512_cvtepi8_epi32(bytes);
-      const __m512 unit = _mm512_loadu_ps(S.unit + (t * (S.groups / S.per_unit) + g / S.per_unit) * 16);
+      const __m512 unit = _mm512_loadu_ps(S.unit + S.units(t, g));
       return _mm512_mul_ps(unit, _mm512_cvtepi32_ps(wide));
     }
   }

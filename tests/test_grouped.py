@@ -19,6 +19,7 @@ from specdec.cpu.grouped import (
     dequantize,
     grouped_kernel,
     pack,
+    tiled,
     values,
 )
 from specdec.models.kernels import use_cpu_kernels
@@ -101,6 +102,34 @@ def test_the_kernel_computes_the_layer_and_each_row_alone_gives_the_same_bits(qt
 
     alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
     assert torch.equal(alone, layer(x))
+
+
+@pytest.mark.parametrize("qtype, bits", [("Q4_K", 4), ("Q6_K", 6), ("Q5_0", 5), ("Q8_0", 8)])
+def test_each_type_is_held_in_the_bits_it_ships_in(qtype, bits):
+    """The kernel reads about the bytes the GGUF file has: Q6_K's values in 6 bits and Q5_0's in 5, not 8."""
+    layout = tiled(pack(gguf_blocks(qtype, 37, 512, seed=2), qtype))
+    assert layout.bits == bits
+    assert layout.q.numel() == 48 * 512 * bits // 8  # 37 rows padded to 48
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q5_0"])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 13])
+def test_the_five_and_six_bit_forms_give_the_eight_bit_forms_bits(qtype, rows):
+    """Rebuilt from their two planes, the 5- and 6-bit values give the integer sums the 8-bit form gives, so the
+    same output bits (over K = 768: three blocks of 64 planes, and every chunk position in them)."""
+    grouped = pack(gguf_blocks(qtype, 37, 768, seed=rows), qtype)
+    narrow, wide = GroupedLinear(tiled(grouped)), GroupedLinear(tiled(grouped, bits=8))
+    assert narrow.bits < 8 == wide.bits and narrow.q.numel() < wide.q.numel()
+    x = torch.randn(rows, 768, generator=torch.Generator().manual_seed(rows))
+    x[:, 5] *= 30
+    assert torch.equal(narrow(x), wide(x))
+
+
+def test_a_form_too_narrow_for_the_values_is_refused():
+    with pytest.raises(ValueError, match="cannot hold"):
+        tiled(pack(gguf_blocks("Q6_K", 16, 256), "Q6_K"), bits=5)
+    with pytest.raises(ValueError, match="cannot hold"):
+        tiled(pack(gguf_blocks("Q4_K", 16, 256), "Q4_K"), bits=8)
 
 
 @pytest.mark.parametrize("qtype", SHIPPED_TYPES)

@@ -4,7 +4,8 @@
 
 Q4_K keeps its 4-bit quants byte for byte (two groups of 32 per 32 bytes: low nibbles, then high ones), with
 scale = d * sc and minimum = dmin * m; Q6_K (groups of 16), Q5_0 and Q8_0 (groups of 32) become int8 values
-(q - 32, q - 16, q) with scale = d * scale or d, and no minimum. Each scale and minimum is the float32 product the
+(q - 32, q - 16, q) with scale = d * scale or d, and no minimum, which the kernel holds in 6, 5 and 8 bits
+(`tiled`: the fewest that hold them, so it reads about the bytes the GGUF file has). Each scale and minimum is the float32 product the
 GGUF's own dequantization takes, so `dequantize(pack(t))` is bitwise `gguf.quants.dequantize(t)`.
 
     grouped = pack(tensor.data, tensor.tensor_type)   # a GGUF tensor's blocks, [N, bytes per row]
@@ -165,8 +166,8 @@ def compact(scale: torch.Tensor, unit: torch.Tensor | None, group: int) -> tuple
 @dataclass
 class Tiled:
     """A grouped weight as the kernel reads it (`tiled`): q [N' / 16, 16 * bytes per row] with N' the rows padded
-    to a multiple of 16, every 16 rows interleaved 4 bytes at a time (8-bit values stored as v + 128, unsigned);
-    scales, minimums and their units (`compact`) 16 rows side by side ([N' / 16, groups * 16])."""
+    to a multiple of 16, every 16 rows interleaved 4 bytes at a time (values in `bits`: 4-bit nibbles as GGUF has
+    them, 8-bit as v + 128, 5- and 6-bit as v + 2^(bits - 1) in a plane of nibbles and one of top bits); scales, minimums and their units (`compact`) 16 rows side by side ([N' / 16, groups * 16])."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -190,15 +191,48 @@ class Tiled:
         return cls(*(tensors.get(name) for name in cls.BUFFERS), bits, group, (n, k))
 
 
-def tiled(grouped: Grouped) -> Tiled:
-    """The kernel's layout of a grouped weight (`Tiled`): rows padded with zero weights."""
+def storage_bits(grouped: Grouped) -> int:
+    """The fewest bits the kernel holds a grouped weight's values in: 4 (Q4_K's nibbles); for int8 values, 5 where
+    they lie in -16..15 (Q5_0's), 6 in -32..31 (Q6_K's), else 8 (Q8_0's)."""
+    if grouped.bits == 4:
+        return 4
+    if grouped.shape[1] % 64:
+        return 8  # the 5- and 6-bit planes cover 64 values of K at a time
+    low, high = int(grouped.q.min()), int(grouped.q.max())
+    return next(bits for bits in (5, 6, 8) if -(1 << (bits - 1)) <= low and high < 1 << (bits - 1))
+
+
+def bit_planes(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned 5- or 6-bit bytes in the kernel's tiled order, [tiles, K / 4 chunks, 64], as two planes per 64
+    values of K (csrc/grouped_linear.cpp): chunks 2i and 2i + 1's low nibbles in one byte, then each chunk's top
+    bits, 8 / (bits - 4) chunks to a byte."""
+    tiles = u.shape[0]
+    supers = u.reshape(tiles, -1, 16, 64)
+    low = (supers[:, :, 0::2] & 15) | ((supers[:, :, 1::2] & 15) << 4)
+    per = 8 // (bits - 4)
+    top = (supers >> 4).reshape(tiles, supers.shape[1], 16 // per, per, 64)
+    high = sum(top[:, :, :, e] << ((bits - 4) * e) for e in range(per))
+    return torch.cat((low, high.to(torch.uint8)), dim=2).reshape(tiles, -1)
+
+
+def tiled(grouped: Grouped, bits: int | None = None) -> Tiled:
+    """The kernel's layout of a grouped weight (`Tiled`): rows padded with zero weights, values in `bits` (default:
+    the fewest that hold them, `storage_bits`). Every form of the same values gives the same integer sums, so the
+    same output bits."""
     n, _ = grouped.shape
+    bits = storage_bits(grouped) if bits is None else bits
+    if bits not in ((4,) if grouped.bits == 4 else (5, 6, 8)) or bits < storage_bits(grouped):
+        raise ValueError(f"{bits} bits cannot hold this weight's values ({grouped.bits}-bit grouped)")
     pad = -n % TILE
-    q = grouped.q if grouped.bits == 4 else grouped.q.view(torch.uint8) ^ 128  # v + 128, modulo 256
+    # unsigned: the nibbles as they are, else v + 2^(bits - 1) (modulo 256 for 8 bits)
+    q = grouped.q if grouped.bits == 4 else (grouped.q.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
     if pad:
         q = torch.nn.functional.pad(q, (0, 0, 0, pad))
     tiles = q.shape[0] // TILE
     words = q.contiguous().view(torch.int32).reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
+    q = words.view(torch.uint8).reshape(tiles, -1)
+    if bits in (5, 6):
+        q = bit_planes(q, bits)
 
     def side_by_side(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
@@ -210,8 +244,8 @@ def tiled(grouped: Grouped) -> Tiled:
     scale, scale_unit = compact(grouped.scale, grouped.scale_unit, grouped.group)
     minimum, minimum_unit = (None, None) if grouped.minimum is None else compact(grouped.minimum,
                                                                                  grouped.minimum_unit, grouped.group)
-    return Tiled(words.view(torch.uint8).reshape(tiles, -1), side_by_side(scale), side_by_side(scale_unit),
-                 side_by_side(minimum), side_by_side(minimum_unit), grouped.bits, grouped.group, grouped.shape)
+    return Tiled(q, side_by_side(scale), side_by_side(scale_unit), side_by_side(minimum), side_by_side(minimum_unit),
+                 bits, grouped.group, grouped.shape)
 
 
 class GroupedLinear(nn.Module):

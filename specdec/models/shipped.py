@@ -116,7 +116,8 @@ def _embeddings(model: nn.Module) -> frozenset[str]:
 def _code() -> str:
     from ..cpu import grouped
 
-    functions = (grouped.pack, grouped.compact, grouped.tiled, grouped.Tiled, pack_from_gguf, gguf_names)
+    functions = (grouped.pack, grouped.compact, grouped.storage_bits, grouped.bit_planes, grouped.tiled, grouped.Tiled,
+                 pack_from_gguf, gguf_names)
     return hashlib.sha256("".join(inspect.getsource(f) for f in functions).encode()).hexdigest()[:16]
 
 

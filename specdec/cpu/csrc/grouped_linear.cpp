@@ -3,8 +3,8 @@
 //
 // The weight is held in groups of G consecutive values along K, each group a scale and (4-bit form) a minimum:
 //   w[n, k] = scale[n, g] * v[n, k] - minimum[n, g],   g = k / G
-// with v small integers, exactly the GGUF's: 4-bit v in 0..15 (Q4_K, G = 32), or 8-bit v in -128..127 (Q6_K with
-// G = 16, Q5_0 and Q8_0 with G = 32).
+// with v small integers, exactly the GGUF's: 4-bit v in 0..15 (Q4_K, G = 32); 6-bit v in -32..31 (Q6_K, G = 16);
+// 5-bit v in -16..15 (Q5_0, G = 32); 8-bit v in -128..127 (Q8_0, G = 32). Each is held in its own number of bits.
 //
 // Integer dot products, as llama.cpp computes these types: each row of x is quantized per group of G to int8,
 //   x[m, k] ~ dx[m, g] * xq[m, k],   dx = max |x| / 127 over the group,  xq = round(x / dx)
@@ -21,7 +21,11 @@
 // next 4 bytes and one VNNI instruction (vpdpbusd: unsigned bytes times signed bytes, summed in fours into int32)
 // adds 4 products to each of 16 outputs; x's 4 bytes are broadcast. The 4-bit form keeps GGUF's nibble order
 // (32 bytes: group 2p in the low nibbles, group 2p + 1 in the high ones); the 8-bit form is stored as v + 128
-// (unsigned), and 128 * sum(xq) is taken off each group's sum. Each tile's weights are read once for up to 8 rows
+// (unsigned), and 128 * sum(xq) is taken off each group's sum. The 5- and 6-bit forms store u = v + 2^(bits - 1)
+// in two planes per 64 values of K (16 chunks of 4): 8 loads of low nibbles (chunks 2i and 2i + 1 in load i's low
+// and high nibbles), then the top bits (6-bit: 4 loads, chunks 4h .. 4h + 3 two bits each; 5-bit: 2 loads, chunks
+// 8h .. 8h + 7 one bit each); a chunk's bytes are rebuilt as low | top << 4, and 2^(bits - 1) * sum(xq) is taken off
+// each group's sum. Their integer sums are those of the 8-bit form, so they give its bits. Each tile's weights are read once for up to 8 rows
 // of x, so a few rows cost little more than one, and every output is computed in the same order whatever the number
 // of rows: a row's result is bitwise the same alone or with others. Without AVX-512 VNNI the same arithmetic runs
 // lane by lane, with the same integer sums and the same float operations (so the same bits).
@@ -35,6 +39,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -192,6 +197,58 @@ void eight_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(L.out + (m0 + m) * L.N + t * kTile, acc[m]);
 }
 
+// 5- or 6-bit values (B): chunk C (of 16 per 64 values of K) rebuilt from the two planes as 16 x 4 unsigned
+// bytes, low nibble and top bits, every shift a constant; then its products added as `eight_bit` adds them.
+template <int M, int B, int C>
+inline void add_chunk(const uint8_t* qs, const int8_t* const* xs, __m512i* sum) {
+  constexpr int kPerLoad = 8 / (B - 4), kAt = (B - 4) * (C % kPerLoad);  // where C's top bits sit in their byte
+  __m512i low = _mm512_loadu_si512(qs + (C >> 1) * kChunk);
+  if constexpr ((C & 1) != 0) low = _mm512_srli_epi16(low, 4);
+  __m512i high = _mm512_loadu_si512(qs + 8 * kChunk + (C / kPerLoad) * kChunk);
+  if constexpr (kAt < 4) high = _mm512_slli_epi16(high, 4 - kAt);
+  if constexpr (kAt > 4) high = _mm512_srli_epi16(high, kAt - 4);
+  // bits 0-3 from low, 4-7 from high (0xE4: the third operand selects the first), then the value's B bits alone
+  const __m512i w = _mm512_and_si512(_mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(15), 0xE4),
+                                     _mm512_set1_epi8(static_cast<char>((1 << B) - 1)));
+  for (int m = 0; m < M; ++m) sum[m] = _mm512_dpbusd_epi32(sum[m], w, _mm512_set1_epi32(word(xs[m] + 4 * C)));
+}
+
+template <int M, int B, int First, int... I>
+inline void add_chunks(const uint8_t* qs, const int8_t* const* xs, __m512i* sum, std::integer_sequence<int, I...>) {
+  (add_chunk<M, B, First + I>(qs, xs, sum), ...);
+}
+
+template <int M, int B, int G>
+void low_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
+  constexpr int kOffset = 1 << (B - 1), kGroups = 64 / G;  // u - v; groups per 64 values of K
+  const int64_t K = L.K, groups = K / G;
+  const uint8_t* q = L.q + t * (K * B / 8) * kTile;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < K / 64; ++s) {
+    const uint8_t* qs = q + s * 128 * B;
+    _mm_prefetch(reinterpret_cast<const char*>(qs + 256 * B), _MM_HINT_T0);
+    const int8_t* xs[M];
+    for (int m = 0; m < M; ++m) xs[m] = X.xq.data() + (m0 + m) * K + s * 64;
+    for (int gi = 0; gi < kGroups; ++gi) {
+      __m512i sum[M];
+      for (int m = 0; m < M; ++m) sum[m] = _mm512_setzero_si512();
+      if (gi == 0) add_chunks<M, B, 0>(qs, xs, sum, std::make_integer_sequence<int, G / 4>{});
+      else if (gi == 1) add_chunks<M, B, G / 4>(qs, xs, sum, std::make_integer_sequence<int, G / 4>{});
+      else if (gi == 2) add_chunks<M, B, (2 * G / 4) % 16>(qs, xs, sum, std::make_integer_sequence<int, G / 4>{});
+      else add_chunks<M, B, (3 * G / 4) % 16>(qs, xs, sum, std::make_integer_sequence<int, G / 4>{});
+      const int64_t g = s * kGroups + gi;
+      const __m512 sc = load(L.scale, t, g);
+      for (int m = 0; m < M; ++m) {
+        const int64_t i = (m0 + m) * groups + g;
+        const __m512i exact = _mm512_sub_epi32(sum[m], _mm512_set1_epi32(kOffset * X.qsum[i]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(sc, _mm512_set1_ps(X.dx[i])), acc[m]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(L.out + (m0 + m) * L.N + t * kTile, acc[m]);
+}
+
 #else
 
 // Lane by lane: the same integer sums, the same float operations in the same order.
@@ -240,12 +297,41 @@ void eight_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
     }
 }
 
+template <int M, int B, int G>
+void low_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
+  constexpr int kPerLoad = 8 / (B - 4), kOffset = 1 << (B - 1);
+  const int64_t K = L.K, groups = K / G;
+  const uint8_t* q = L.q + t * (K * B / 8) * kTile;
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < kTile; ++r) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t sum = 0;
+        for (int64_t k = g * G; k < (g + 1) * G; ++k) {
+          const int64_t s = k / 64, c = k % 64 / 4, j = k % 4;
+          const uint8_t* qs = q + s * 128 * B;
+          const int low = (qs[(c >> 1) * kChunk + 4 * r + j] >> (4 * (c & 1))) & 15;
+          const int high = (qs[8 * kChunk + (c / kPerLoad) * kChunk + 4 * r + j] >> ((B - 4) * (c % kPerLoad))) &
+                           ((1 << (B - 4)) - 1);
+          sum += (low | high << 4) * X.xq[(m0 + m) * K + k];
+        }
+        const int64_t i = (m0 + m) * groups + g;
+        acc = std::fma(static_cast<float>(sum - kOffset * X.qsum[i]), L.scale.at(t, g, r) * X.dx[i], acc);
+      }
+      L.out[(m0 + m) * L.N + t * kTile + r] = acc;
+    }
+}
+
 #endif
 
 template <int M>
 void tile(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
-  if (L.bits == 4) four_bit<M>(L, X, t, m0);
-  else eight_bit<M>(L, X, t, m0);
+  switch (L.bits) {
+    case 4: four_bit<M>(L, X, t, m0); break;
+    case 5: L.G == 16 ? low_bit<M, 5, 16>(L, X, t, m0) : low_bit<M, 5, 32>(L, X, t, m0); break;
+    case 6: L.G == 16 ? low_bit<M, 6, 16>(L, X, t, m0) : low_bit<M, 6, 32>(L, X, t, m0); break;
+    default: eight_bit<M>(L, X, t, m0); break;
+  }
 }
 
 void chunk(const Layer& L, const Rows& X, int64_t t, int64_t m0, int64_t rows) {
@@ -291,14 +377,14 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& q, const at::Te
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu() && x.is_contiguous(),
               "grouped_linear: x must be a contiguous 2-D float32 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0) * kTile;
-  TORCH_CHECK((bits == 4 && group == 32) || (bits == 8 && (group == 16 || group == 32)),
-              "grouped_linear: 4-bit groups of 32, or 8-bit groups of 16 or 32");
-  TORCH_CHECK(K % (bits == 4 ? 64 : group) == 0, "grouped_linear: K = ", K, " is not a whole number of steps");
+  TORCH_CHECK((bits == 4 && group == 32) || ((bits == 5 || bits == 6 || bits == 8) && (group == 16 || group == 32)),
+              "grouped_linear: 4-bit groups of 32, or 5-, 6- or 8-bit groups of 16 or 32");
+  TORCH_CHECK(K % (bits == 8 ? group : 64) == 0, "grouped_linear: K = ", K, " is not a whole number of steps");
   TORCH_CHECK(q.dim() == 2 && q.size(1) == K * bits / 8 * kTile && q.is_contiguous() && q.is_cpu() &&
               q.scalar_type() == at::kByte, "grouped_linear: q must be [N / 16, ", K * bits / 8 * kTile,
               "] bytes (tiled), got ", q.sizes());
   const bool has_minimum = minimum.has_value() && minimum->defined();
-  TORCH_CHECK(has_minimum == (bits == 4), "grouped_linear: the 4-bit form has minimums, the 8-bit one none");
+  TORCH_CHECK(has_minimum == (bits == 4), "grouped_linear: the 4-bit form has minimums, the others none");
   Layer L{q.data_ptr<uint8_t>(), scales(scale, scale_unit, N, K, group, "scale"), {}, nullptr, M, N, K, group, bits};
   if (has_minimum) L.minimum = scales(*minimum, minimum_unit, N, K, group, "minimum");
   at::Tensor out = at::empty({M, N}, x.options());

@@ -1,5 +1,5 @@
 """llama.cpp as the peer (`make bench-peers`): its llama-server on the same GGUF files our default pair is converted
-from, target-only and with the draft, beside our target-only and Google on the same prompt tokens.
+from, target-only and with the draft, beside our target-only and Google (gamma fixed, and adaptive) on the same prompt tokens.
 
     python -m bench.peers --out bench/results/peers
 
@@ -185,8 +185,9 @@ class LlamaServer:
         return run
 
 
-def ours_run(decoder, ids: list[int], *, method: str, tokens: int, gamma: int) -> dict:
-    """One greedy run of ours in-process, EOS ignored: the same figures as completion_run's."""
+def ours_run(decoder, ids: list[int], *, method: str, tokens: int, gamma: int | None) -> dict:
+    """One greedy run of ours in-process, EOS ignored (gamma None: adaptive gamma): the same figures as
+    completion_run's."""
     stats = decoder.generate(ids, max_new_tokens=tokens, method=method, gamma=gamma, temperature=0, seed=0,
                              eos_token_id=[])
     s = stats.stats
@@ -234,8 +235,9 @@ def markdown(report: dict) -> str:
              f"llama.cpp ({report['llama_server_version']}), `cmake {' '.join(CMAKE_FLAGS)}`; Q4_K_M GGUF files "
              f"as shipped. Server commands: " + "; ".join(f"`{c}`" for c in report["server_commands"].values()), "",
              (f"specdec: the default pair as the service loads it, with each of `weights` = "
-              f"{', '.join(report.get('weights', ['float']))} (specdec-<weights> below; shipped: the GGUF's own 4- "
-              f"and 8-bit groups; float: dequantized, float32 target, int8 draft), gamma {report['gamma']}, "
+              f"{', '.join(report.get('weights', ['float']))} (specdec-<weights> below; shipped: the GGUF's own 4-, "
+              f"5-, 6- and 8-bit groups; float: dequantized, float32 target, int8 draft), gamma {report['gamma']} "
+              f"(google-adaptive: chosen each round), "
               f"{report['threads']} torch threads, in-process. Same tokens: against the first weights' target-only."
               if any(c.startswith("specdec") for c in report["summary"]) else "specdec: not run (`--no-ours`)."),
              "",
@@ -316,9 +318,10 @@ def measure(args, server: Path, models: dict[str, Path], logs: Path) -> tuple[li
         engines = {"llama.cpp/target": lambda i: alone.complete(i, args.tokens),
                    "llama.cpp/draft": lambda i: speculative.complete(i, args.tokens, speculative=True)}
         for weights, decoder in decoders.items():
-            for method in ("target", "google"):
-                engines[f"specdec-{weights}/{method}"] = functools.partial(ours_run, decoder, method=method,
-                                                                          tokens=args.tokens, gamma=args.gamma)
+            for name, method, gamma in (("target", "target", args.gamma), ("google", "google", args.gamma),
+                                        ("google-adaptive", "google", None)):
+                engines[f"specdec-{weights}/{name}"] = functools.partial(ours_run, decoder, method=method,
+                                                                        tokens=args.tokens, gamma=gamma)
         for run in engines.values():  # warm-up
             run(ids[args.prompts[0]])
         for repeat in range(args.repeats):

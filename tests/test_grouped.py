@@ -188,6 +188,56 @@ def test_compact_scales_give_the_kernel_the_float32_scales_bitwise(qtype, form):
     assert layer.scale.element_size() < 4
 
 
+ISA_BUILDS = {"avx2": ["-mno-avx512f"], "scalar": ["-mno-avx512f", "-mno-avx2"]}
+ISA_SCRIPT = """
+import sys, torch
+from torch.utils.cpp_extension import load
+isa, source, folder, out = sys.argv[1:5]
+load(name="grouped_" + isa, sources=[source], build_directory=folder, is_python_module=False, verbose=False,
+     extra_cflags=["-O3", "-march=native", "-fopenmp", *sys.argv[5:]], extra_ldflags=["-fopenmp"])
+assert torch.ops.specdec_grouped.isa() == isa, torch.ops.specdec_grouped.isa()
+from tests.test_grouped import isa_outputs
+torch.save(isa_outputs(), out)
+"""
+
+
+def isa_outputs() -> dict[str, torch.Tensor]:
+    """Every form's layer (4, 5, 6 and 8 bits; float32, float16 and integer scales) over 1, 5 and 13 rows of a
+    fixed x, with whatever build of the operator this process loaded."""
+    outputs = {}
+    for qtype in SHIPPED_TYPES:
+        layer = GroupedLinear(pack(gguf_blocks(qtype, 37, 512, seed=9), qtype))
+        for rows in (1, 5, 13):
+            x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+            outputs[f"{qtype}/{rows}"] = layer(x)
+    return outputs
+
+
+@pytest.mark.skipif(not torch.ops.specdec_grouped.vnni() if grouped_kernel() else True,
+                    reason="the other builds are compared with the AVX-512 VNNI one")
+@pytest.mark.parametrize("isa", ISA_BUILDS)
+def test_the_avx2_and_scalar_builds_give_the_vnni_builds_bits(isa, tmp_path):
+    """The kernel built without AVX-512 (AVX2: 8 rows a register, pairs summed in 16 bits) and without AVX2 (lane
+    by lane) computes the same integer sums and float operations as the VNNI build: the same bits, for every form.
+    Each is compiled here in a process of its own (this CPU runs all three)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from specdec.cpu.grouped import SOURCE
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "build").mkdir()
+    out = tmp_path / "outputs.pt"
+    done = subprocess.run([sys.executable, "-c", ISA_SCRIPT, isa, str(SOURCE), str(tmp_path / "build"), str(out),
+                           *ISA_BUILDS[isa]], cwd=root, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs, ours = torch.load(out), isa_outputs()
+    assert theirs.keys() == ours.keys()
+    for key in ours:
+        assert torch.equal(theirs[key], ours[key]), key
+
+
 def test_the_operator_refuses_a_bad_shape_with_a_message():
     grouped = pack(gguf_blocks("Q4_K", 4, 256), "Q4_K")
     with pytest.raises(RuntimeError, match="grouped_linear"):
@@ -320,7 +370,7 @@ def test_linear_layers_and_the_embedding_map_to_gguf_tensor_names():
     assert len(names) == 2 * 7 + 2
 
 
-def test_shipped_weights_apply_to_gguf_models_on_one_cpu_with_the_vnni_kernel(monkeypatch, tmp_path, caplog):
+def test_shipped_weights_apply_to_gguf_models_on_one_cpu_with_a_vector_kernel(monkeypatch, tmp_path, caplog):
     import logging
 
     from specdec.cpu import grouped

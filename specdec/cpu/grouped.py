@@ -135,9 +135,15 @@ def grouped_kernel() -> bool:
 
 @functools.cache
 def fast_kernel() -> bool:
-    """Whether the grouped kernel is built here with AVX-512 VNNI: without it, it computes the same sums lane by
-    lane, exactly but tens of times slower, so float weights serve better."""
-    return grouped_kernel() and bool(torch.ops.specdec_grouped.vnni())
+    """Whether the grouped kernel is built here with vector instructions (AVX-512 VNNI, or AVX2): without them it
+    computes the same sums lane by lane, exactly but tens of times slower, so float weights serve better."""
+    return grouped_kernel() and kernel_isa() != "scalar"
+
+
+def kernel_isa() -> str:
+    """The instructions the grouped kernel was built with here: "avx512_vnni", "avx2" or "scalar" (one result
+    whichever: the same bits)."""
+    return str(torch.ops.specdec_grouped.isa())
 
 
 def _shape(x, q, scale, scale_unit, minimum, minimum_unit, bits, group):

@@ -42,8 +42,8 @@ def resolve_weights(value) -> str:
 
 def shipped_applies(weights: str, device: torch.device, device_map, sources) -> bool:
     """Whether `weights` = "shipped" takes effect: CPU models on one device, one of `sources` from a GGUF file, and
-    the VNNI kernel. Without VNNI the kernel computes lane by lane (exact, tens of times slower): float weights are
-    used then, with a warning."""
+    the kernel built with AVX-512 VNNI or AVX2. Without either it computes lane by lane (exact, tens of times
+    slower): float weights are used then, with a warning."""
     if weights != "shipped" or device.type != "cpu" or device_map is not None:
         return False
     if all(gguf_origin(source) is None for source in sources):
@@ -51,7 +51,8 @@ def shipped_applies(weights: str, device: torch.device, device_map, sources) -> 
     from ..cpu.grouped import fast_kernel
 
     if not fast_kernel():
-        logger.warning("weights = shipped: this CPU has no AVX-512 VNNI for the grouped kernel; serving float weights")
+        logger.warning("weights = shipped: this CPU has neither AVX-512 VNNI nor AVX2 for the grouped kernel; "
+                       "serving float weights")
         return False
     return True
 

@@ -27,8 +27,9 @@
 // 8h .. 8h + 7 one bit each); a chunk's bytes are rebuilt as low | top << 4, and 2^(bits - 1) * sum(xq) is taken off
 // each group's sum. Their integer sums are those of the 8-bit form, so they give its bits. Each tile's weights are read once for up to 8 rows
 // of x, so a few rows cost little more than one, and every output is computed in the same order whatever the number
-// of rows: a row's result is bitwise the same alone or with others. Without AVX-512 VNNI the same arithmetic runs
-// lane by lane, with the same integer sums and the same float operations (so the same bits).
+// of rows: a row's result is bitwise the same alone or with others. Without AVX-512 VNNI, AVX2 computes the same
+// integer sums 8 rows at a time (vpmaddubsw and vpmaddwd); without AVX2, lane by lane. Each path has the same
+// integer sums and the same float operations in the same order, so the same bits (`isa()` says which was built).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -39,19 +40,27 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define SPECDEC_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SPECDEC_AVX2 1
 #endif
 
 namespace {
 
 constexpr int kTile = 16;      // weight rows interleaved: one 512-bit register of int32 sums
 constexpr int kChunk = 64;     // bytes per load: 4 bytes of each of 16 rows
+#ifdef SPECDEC_AVX2
+constexpr int kMaxRows = 4;    // rows of x per pass over a tile (AVX2 has 16 registers)
+#else
 constexpr int kMaxRows = 8;    // rows of x per pass over a tile
+#endif
 
 enum Form { kFloat, kHalf, kUnsigned, kSigned };
 
@@ -249,6 +258,150 @@ void low_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(L.out + (m0 + m) * L.N + t * kTile, acc[m]);
 }
 
+#elif defined(SPECDEC_AVX2)
+
+// AVX2 without VNNI: the same tiles, as two halves of 8 rows (a 256-bit register of int32 sums each). vpmaddubsw
+// multiplies unsigned by signed bytes into 16-bit sums of pairs, which hold every pair of 4-, 5- and 6-bit values
+// times x (at most 2 * 63 * 127); vpmaddwd by ones adds the pairs into int32: the four products VNNI adds. The
+// 8-bit form's v + 128 would overflow 16 bits, so it multiplies |v| by x with v's sign: the sum of v * x itself,
+// which is VNNI's sum less 128 * sum(xq). Integer sums and float operations are VNNI's, so the bits are too.
+
+inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+}
+
+inline __m256i bytes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Rows 8h .. 8h + 7 of tile t's values for group g.
+inline __m256 load(const Scales& S, int64_t t, int64_t g, int h) {
+  const int64_t i = (t * S.groups + g) * 16 + 8 * h;
+  switch (S.form) {
+    case kFloat: return _mm256_loadu_ps(static_cast<const float*>(S.values) + i);
+    case kHalf:
+      return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(S.values) + i)));
+    default: {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(S.values) + i));
+      const __m256i wide = S.form == kUnsigned ? _mm256_cvtepu8_epi32(b) : _mm256_cvtepi8_epi32(b);
+      return _mm256_mul_ps(_mm256_loadu_ps(S.unit + S.units(t, g) + 8 * h), _mm256_cvtepi32_ps(wide));
+    }
+  }
+}
+
+template <int M>
+void four_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
+  const int64_t K = L.K, groups = K / 32;
+  const uint8_t* q = L.q + t * (K / 2) * kTile;
+  const __m256i nibble = _mm256_set1_epi8(15);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < K / 64; ++s) {
+      const uint8_t* qs = q + s * 8 * kChunk + 32 * h;
+      __m256i low[M], high[M];
+      for (int m = 0; m < M; ++m) low[m] = high[m] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i w = bytes(qs + c * kChunk);
+        const __m256i lo = _mm256_and_si256(w, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        for (int m = 0; m < M; ++m) {
+          const int8_t* xs = X.xq.data() + (m0 + m) * K + s * 64 + 4 * c;
+          low[m] = dot4(low[m], lo, _mm256_set1_epi32(word(xs)));
+          high[m] = dot4(high[m], hi, _mm256_set1_epi32(word(xs + 32)));
+        }
+      }
+      const __m256 s0 = load(L.scale, t, 2 * s, h), s1 = load(L.scale, t, 2 * s + 1, h);
+      const __m256 n0 = load(L.minimum, t, 2 * s, h), n1 = load(L.minimum, t, 2 * s + 1, h);
+      for (int m = 0; m < M; ++m) {
+        const int64_t g = (m0 + m) * groups + 2 * s;
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(low[m]), _mm256_mul_ps(s0, _mm256_set1_ps(X.dx[g])), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(n0, _mm256_set1_ps(X.sum[g]), acc[m]);
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(high[m]), _mm256_mul_ps(s1, _mm256_set1_ps(X.dx[g + 1])), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(n1, _mm256_set1_ps(X.sum[g + 1]), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(L.out + (m0 + m) * L.N + t * kTile + 8 * h, acc[m]);
+  }
+}
+
+template <int M>
+void eight_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
+  const int64_t K = L.K, G = L.G, groups = K / G, chunks = G / 4;
+  const uint8_t* q = L.q + t * K * kTile;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* qg = q + g * chunks * kChunk + 32 * h;
+      __m256i sum[M];
+      for (int m = 0; m < M; ++m) sum[m] = _mm256_setzero_si256();
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m256i v = _mm256_xor_si256(bytes(qg + c * kChunk), flip);  // v itself, signed
+        const __m256i magnitude = _mm256_abs_epi8(v);
+        for (int m = 0; m < M; ++m) {
+          const __m256i x = _mm256_set1_epi32(word(X.xq.data() + (m0 + m) * K + g * G + 4 * c));
+          sum[m] = dot4(sum[m], magnitude, _mm256_sign_epi8(x, v));
+        }
+      }
+      const __m256 sc = load(L.scale, t, g, h);
+      for (int m = 0; m < M; ++m) {
+        const int64_t i = (m0 + m) * groups + g;
+        acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m]), _mm256_mul_ps(sc, _mm256_set1_ps(X.dx[i])), acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(L.out + (m0 + m) * L.N + t * kTile + 8 * h, acc[m]);
+  }
+}
+
+template <int M, int B, int C>
+inline void add_chunk(const uint8_t* qs, const int8_t* const* xs, __m256i* sum) {
+  constexpr int kPerLoad = 8 / (B - 4), kAt = (B - 4) * (C % kPerLoad);
+  __m256i low = bytes(qs + (C >> 1) * kChunk);
+  if constexpr ((C & 1) != 0) low = _mm256_srli_epi16(low, 4);
+  __m256i high = bytes(qs + 8 * kChunk + (C / kPerLoad) * kChunk);
+  if constexpr (kAt < 4) high = _mm256_slli_epi16(high, 4 - kAt);
+  if constexpr (kAt > 4) high = _mm256_srli_epi16(high, kAt - 4);
+  const __m256i w = _mm256_or_si256(_mm256_and_si256(low, _mm256_set1_epi8(15)),
+                                    _mm256_and_si256(high, _mm256_set1_epi8(static_cast<char>(((1 << B) - 1) & 0xF0))));
+  for (int m = 0; m < M; ++m) sum[m] = dot4(sum[m], w, _mm256_set1_epi32(word(xs[m] + 4 * C)));
+}
+
+template <int M, int B, int First, int... I>
+inline void add_chunks(const uint8_t* qs, const int8_t* const* xs, __m256i* sum, std::integer_sequence<int, I...>) {
+  (add_chunk<M, B, First + I>(qs, xs, sum), ...);
+}
+
+template <int M, int B, int G>
+void low_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
+  constexpr int kOffset = 1 << (B - 1), kGroups = 64 / G;
+  const int64_t K = L.K, groups = K / G;
+  const uint8_t* q = L.q + t * (K * B / 8) * kTile;
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < K / 64; ++s) {
+      const uint8_t* qs = q + s * 128 * B + 32 * h;
+      const int8_t* xs[M];
+      for (int m = 0; m < M; ++m) xs[m] = X.xq.data() + (m0 + m) * K + s * 64;
+      for (int gi = 0; gi < kGroups; ++gi) {
+        __m256i sum[M];
+        for (int m = 0; m < M; ++m) sum[m] = _mm256_setzero_si256();
+        if (gi == 0) add_chunks<M, B, 0>(qs, xs, sum, std::make_integer_sequence<int, G / 4>{});
+        else if (gi == 1) add_chunks<M, B, G / 4>(qs, xs, sum, std::make_integer_sequence<int, G / 4>{});
+        else if (gi == 2) add_chunks<M, B, (2 * G / 4) % 16>(qs, xs, sum, std::make_integer_sequence<int, G / 4>{});
+        else add_chunks<M, B, (3 * G / 4) % 16>(qs, xs, sum, std::make_integer_sequence<int, G / 4>{});
+        const int64_t g = s * kGroups + gi;
+        const __m256 sc = load(L.scale, t, g, h);
+        for (int m = 0; m < M; ++m) {
+          const int64_t i = (m0 + m) * groups + g;
+          const __m256i exact = _mm256_sub_epi32(sum[m], _mm256_set1_epi32(kOffset * X.qsum[i]));
+          acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(sc, _mm256_set1_ps(X.dx[i])), acc[m]);
+        }
+      }
+    }
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(L.out + (m0 + m) * L.N + t * kTile + 8 * h, acc[m]);
+  }
+}
+
 #else
 
 // Lane by lane: the same integer sums, the same float operations in the same order.
@@ -410,8 +563,19 @@ bool vnni() {
 #endif
 }
 
+std::string isa() {
+#if defined(SPECDEC_VNNI)
+  return "avx512_vnni";
+#elif defined(SPECDEC_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 TORCH_LIBRARY(specdec_grouped, m) {
-  m.def("vnni() -> bool", &vnni);  // whether this build has the VNNI kernel, or only the lane-by-lane one
+  m.def("vnni() -> bool", &vnni);  // whether this build has the VNNI kernel
+  m.def("isa() -> str", &isa);     // the instructions this build computes with: avx512_vnni, avx2 or scalar
   m.def("grouped_linear(Tensor x, Tensor q, Tensor scale, Tensor? scale_unit, Tensor? minimum, Tensor? minimum_unit, "
         "int bits, int group) -> Tensor");
 }

@@ -120,10 +120,12 @@ def server_command(server: Path, target: Path, port: int, threads: int, context:
     return command
 
 
-def completion_body(ids: list[int], tokens: int) -> dict:
+def completion_body(ids: list[int], tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> dict:
     """POST /completion's body: the prompt as token ids (no tokenizing on the server's side), greedy, exactly
     `tokens` new tokens (EOS ignored), no reuse of the previous request's cache."""
-    return {"prompt": ids, "n_predict": tokens, "temperature": 0, "top_k": 1, "seed": 0, "ignore_eos": True,
+    sampling = {"temperature": 0, "top_k": 1} if temperature == 0 else \
+        {"temperature": temperature, "top_p": top_p, "top_k": 0, "min_p": 0.0}  # llama.cpp's min_p is 0.05 unless set
+    return {"prompt": ids, "n_predict": tokens, **sampling, "seed": seed, "ignore_eos": True,
             "cache_prompt": False, "return_tokens": True, "stream": False}
 
 
@@ -174,10 +176,10 @@ class LlamaServer:
                 self.process.kill()
                 self.process.wait()
 
-    def complete(self, ids: list[int], tokens: int, speculative: bool = False) -> dict:
+    def complete(self, ids: list[int], tokens: int, speculative: bool = False, **sampling) -> dict:
         """One request's run; `speculative`: the server must report drafted tokens, or it did not speculate."""
         started = time.perf_counter()
-        response = requests.post(self.url + "/completion", json=completion_body(ids, tokens), timeout=1200)
+        response = requests.post(self.url + "/completion", json=completion_body(ids, tokens, **sampling), timeout=1200)
         response.raise_for_status()
         run = completion_run(response.json(), time.perf_counter() - started)
         if speculative and not run.get("drafted"):
@@ -185,11 +187,12 @@ class LlamaServer:
         return run
 
 
-def ours_run(decoder, ids: list[int], *, method: str, tokens: int, gamma: int | None) -> dict:
-    """One greedy run of ours in-process, EOS ignored (gamma None: adaptive gamma): the same figures as
+def ours_run(decoder, ids: list[int], *, method: str, tokens: int, gamma: int | None, temperature: float = 0.0,
+             top_p: float = 1.0, seed: int = 0) -> dict:
+    """One run of ours in-process, EOS ignored (gamma None: adaptive gamma): the same figures as
     completion_run's."""
-    stats = decoder.generate(ids, max_new_tokens=tokens, method=method, gamma=gamma, temperature=0, seed=0,
-                             eos_token_id=[])
+    stats = decoder.generate(ids, max_new_tokens=tokens, method=method, gamma=gamma, temperature=temperature,
+                             top_p=top_p, seed=seed, eos_token_id=[])
     s = stats.stats
     run = {"new_tokens": s.new_tokens, "decode_tokens_per_second": s.decode_tokens_per_second,
            "tokens_per_second": s.tokens_per_second, "prompt_tokens": len(ids),
@@ -222,6 +225,13 @@ def summarise(runs: list[dict]) -> dict:
     return summary
 
 
+def decoding(report: dict) -> str:
+    """"greedy", or the sampling settings (seed: the repeat's index)."""
+    if not report.get("temperature"):
+        return "greedy"
+    return f"sampled at T={report['temperature']:g} top-p {report['top_p']:g} (seed: the repeat)"
+
+
 def markdown(report: dict) -> str:
     """The command, the setting, and one row per configuration: each prompt's decode and end-to-end tokens/s."""
     prompts = report["prompts"]
@@ -241,7 +251,7 @@ def markdown(report: dict) -> str:
               f"{report['threads']} torch threads, in-process. Same tokens: against the first weights' target-only."
               if any(c.startswith("specdec") for c in report["summary"]) else "specdec: not run (`--no-ours`)."),
              "",
-             f"Both: the same prompt token ids (chat prompts through the target's chat template), greedy, EOS "
+             f"Both: the same prompt token ids (chat prompts through the target's chat template), {decoding(report)}, EOS "
              f"ignored, {report['tokens']} new tokens, median of {report['repeats']} after a warm-up. Decode: the "
              "engine's own rate after the prompt (llama.cpp's `timings.predicted_per_second`; ours past the first "
              "round). End to end: new tokens over the request's wall time, prefill included (llama.cpp's from the "
@@ -279,7 +289,7 @@ def plot(report: dict, path: Path) -> None:
                edgecolor="black", hatch="//", label="end to end" if i == 0 else None)
     ax.set_xticks(range(len(prompts)), prompts)
     ax.set_ylabel("generated tokens/s")
-    ax.set_title(f"llama.cpp and specdec on the default pair ({report['tokens']} tokens, greedy, "
+    ax.set_title(f"llama.cpp and specdec on the default pair ({report['tokens']} tokens, {decoding(report)}, "
                  f"{report['threads']} threads)")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -315,20 +325,22 @@ def measure(args, server: Path, models: dict[str, Path], logs: Path) -> tuple[li
         servers[name] = LlamaServer(commands[name], port, logs / f"llama-{name}.log")
     runs = []
     with servers["target"] as alone, servers["draft"] as speculative:
-        engines = {"llama.cpp/target": lambda i: alone.complete(i, args.tokens),
-                   "llama.cpp/draft": lambda i: speculative.complete(i, args.tokens, speculative=True)}
+        sampling = {"temperature": args.temperature, "top_p": args.top_p}
+        engines = {"llama.cpp/target": lambda i, seed: alone.complete(i, args.tokens, seed=seed, **sampling),
+                   "llama.cpp/draft": lambda i, seed: speculative.complete(i, args.tokens, speculative=True,
+                                                                          seed=seed, **sampling)}
         for weights, decoder in decoders.items():
             for name, method, gamma in (("target", "target", args.gamma), ("google", "google", args.gamma),
                                         ("google-adaptive", "google", None)):
                 engines[f"specdec-{weights}/{name}"] = functools.partial(ours_run, decoder, method=method,
-                                                                        tokens=args.tokens, gamma=gamma)
+                                                                        tokens=args.tokens, gamma=gamma, **sampling)
         for run in engines.values():  # warm-up
-            run(ids[args.prompts[0]])
+            run(ids[args.prompts[0]], seed=0)
         for repeat in range(args.repeats):
             for prompt in args.prompts:
                 for configuration, run in engines.items():
                     runs.append({"configuration": configuration, "prompt": prompt, "repeat": repeat,
-                                 **run(ids[prompt])})
+                                 **run(ids[prompt], seed=repeat)})
                     print(f"{configuration} {prompt}: {runs[-1]['decode_tokens_per_second']:.1f} tokens/s decode",
                           file=sys.stderr)
     return runs, {name: " ".join(c) for name, c in commands.items()}
@@ -357,6 +369,9 @@ def main(argv=None) -> int:
                         help="our pair's weights, comma-separated (load_pair's `weights`), each measured")
     parser.add_argument("--no-ours", dest="ours", action="store_false",
                         help="llama.cpp alone (our pair takes about 9 GB of memory beside it)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default); else sampled, "
+                        "both engines, seed = the repeat's index")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature")
     parser.add_argument("--out", default="bench/results/peers")
     args = parser.parse_args(argv)
     args.prompts = [p for p in args.prompts.split(",") if p]
@@ -379,7 +394,7 @@ def main(argv=None) -> int:
               "llama_cpp_python": LLAMA_CPP_PYTHON,
               "llama_server_version": server_version(server), "server_commands": commands,
               "prompts": args.prompts, "tokens": args.tokens, "repeats": args.repeats, "threads": args.threads,
-              "gamma": args.gamma, "weights": args.weights if args.ours else [], "draft_max": args.draft_max,
+              "gamma": args.gamma, "temperature": args.temperature, "top_p": args.top_p, "weights": args.weights if args.ours else [], "draft_max": args.draft_max,
               "summary": summarise(runs), "runs": runs}
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     table = markdown(report)

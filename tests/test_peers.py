@@ -151,6 +151,15 @@ def test_a_fake_llama_server_is_started_asked_greedily_and_stopped(tmp_path):
     assert request["ignore_eos"] is True and request["cache_prompt"] is False and request["n_predict"] == 11
 
 
+def test_a_sampled_run_asks_llama_cpp_for_the_same_distribution_as_ours():
+    """T and top-p as given, and nothing else between the logits and the draw: llama.cpp's own min_p (0.05 unless
+    set) and top_k (40) would truncate the distribution ours samples from."""
+    body = peers.completion_body([1, 2], 8, temperature=0.7, top_p=0.9, seed=2)
+    assert body["temperature"] == 0.7 and body["top_p"] == 0.9 and body["seed"] == 2
+    assert body["min_p"] == 0.0 and body["top_k"] == 0
+    assert peers.decoding({"temperature": 0.7, "top_p": 0.9}) == "sampled at T=0.7 top-p 0.9 (seed: the repeat)"
+
+
 def test_a_speculative_server_that_drafted_nothing_is_refused(tmp_path):
     script = tmp_path / "fake_server.py"
     script.write_text(textwrap.dedent(FAKE_SERVER))
@@ -194,7 +203,8 @@ def test_summary_and_table_rows():
               "repeats": 3, "threads": 2, "gamma": 4, "summary": summary}
     table = peers.markdown(report)
     assert "`python -m bench.peers --repeats 3`" in table and "`llama-server -m t.gguf`" in table
-    assert "load average 3.0 before, 2.5 after" in table and "gamma 4, 2 torch threads" in table
+    assert "load average 3.0 before, 2.5 after" in table and "gamma 4 (google-adaptive: chosen each round), 2 torch threads" in table
+    assert "greedy, EOS ignored" in table
     rows = [line for line in table.splitlines() if line.startswith("| ")]
     assert rows[1] == "| llama.cpp | target | 25.0 | 12.5 | - | 2/4 |"
     assert rows[2] == "| llama.cpp | draft | 24.0 | 12.0 | 0.50 | 2/4 |"

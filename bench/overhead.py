@@ -88,8 +88,8 @@ def hugging_face(draft_dir: str, target_dir: str, ids: list[int], tokens: int, r
 
 def measure(args, draft_dir: str, target_dir: str, folder: Path) -> dict:
     results = {}
-    for compiled in (False, True):
-        name = "compiled" if compiled else "eager"
+    for name in args.paths:
+        compiled = name == "compiled"
         draft, target, tokenizer = load_pair(draft_dir, target_dir, device=args.device, compile=compiled,
                                              draft_quantization=args.draft_quantization)
         decoder = SpeculativeDecoder(draft, target, tokenizer)
@@ -132,7 +132,9 @@ def markdown(report: dict) -> str:
              "(outside forwards) | service JSON (vs in-process) | service SSE |", "|---|---|---|---|---|---|---|---|"]
     for path in ("eager", "compiled"):
         for method in METHODS:
-            row = rows[f"{path}/{method}/in-process"]
+            row = rows.get(f"{path}/{method}/in-process")
+            if row is None:  # a path not measured (--paths)
+                continue
             rate = row["tokens_per_second"]
             lines.append(f"| {path} | {method} | {rate:.0f} | {rate / hf_generate:.2f}x | {rate / hf_assisted:.2f}x "
                          f"| {row['ms_per_round']:.2f} ({row['ms_per_round_outside_forwards']:.2f}) "
@@ -151,6 +153,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-quantization", default=None,
                         help="default: none for the tiny pair (compiled whole), int8 for the default pair")
     parser.add_argument("--no-service", action="store_true", help="in-process rows only")
+    parser.add_argument("--paths", type=lambda v: v.split(","), default=["eager", "compiled"],
+                        help="eager, compiled or both (comma-separated)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads, in-process and in the service (default: 1 for tiny, 2 for default)")
     parser.add_argument("--out", default="bench/results/overhead")

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..threads import thread_map
+from ..threads import thread_map, unpatched
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +90,11 @@ def build_kernel(source: Path) -> bool:
     digest = hashlib.sha256(source.read_bytes() + _cpu_signature().encode() + str(source).encode()).hexdigest()[:12]
     started = time.perf_counter()
     try:
-        load(f"specdec_{source.stem}_{digest}", sources=[str(source)], is_python_module=False,
-             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+        # torch's builder runs ninja and the compiler as subprocesses: gevent's (the service's worker) work only
+        # on the main thread's event loop, and this may run on another thread (the engine's, loading the pair)
+        with unpatched("os", "subprocess", "signal"):
+            load(f"specdec_{source.stem}_{digest}", sources=[str(source)], is_python_module=False,
+                 extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as error:  # any build or load failure means: use the fallback
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         logger.warning("the CPU kernel %s could not be built (%s); using oneDNN-packed weights", source.name, reason)

@@ -48,9 +48,10 @@ def in_process(decoder: SpeculativeDecoder, ids: list[int], method: str, tokens:
 
 
 def through_service(server: Server, method: str, tokens: int, repeats: int, stream: bool) -> dict:
-    """Median tokens/s of `POST /predict` timed from the client (generated tokens over the request's wall time)."""
+    """Median tokens/s of `POST /predict` timed from the client (generated tokens over the request's wall time),
+    EOS ignored as in-process."""
     body = {"prompt": PROMPT, "max_new_tokens": tokens, "method": method, "gamma": 4, "temperature": 0,
-            "seed": 0, "stream": stream}
+            "seed": 0, "stream": stream, "ignore_eos": True}  # exactly `tokens`, as in-process
     rates = []
     for i in range(repeats + 1):
         started = time.perf_counter()

@@ -381,9 +381,13 @@ class SpeculativeDecoder:
         if grammar is not None and grammar.vocab_size != self.vocab_size:
             raise SpecDecError(f"the grammar was compiled for {grammar.vocab_size} tokens, the pair has "
                                f"{self.vocab_size}", field="grammar")
+        if grammar is not None and params.ignore_eos:
+            raise SpecDecError("ignore_eos cannot be combined with a grammar constraint, which ends with an "
+                               "end-of-sequence token", field="ignore_eos")
         eos = eos_token_ids(self.target_model, eos_token_id=eos_token_id)
-        req = _Request(prompt, params, self.context_length, seed, eos, self.vocab_size,
-                       cache_prompt=self.caches_prompt(params), guide=None if grammar is None else grammar.start(eos))
+        req = _Request(prompt, params, self.context_length, seed, set() if params.ignore_eos else eos,
+                       self.vocab_size, cache_prompt=self.caches_prompt(params),
+                       guide=None if grammar is None else grammar.start(eos))
         warper = _Warper(params.temperature, params.top_k, params.top_p, self.vocab_size)
         return Stream(req, self._run(req, warper))
 

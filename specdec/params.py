@@ -41,6 +41,10 @@ class SamplingParams:
 
     `cache_prompt` (llama.cpp's name): the request may start from the engine's prompt cache and leaves its caches
     there; false opts out of both. It changes no distribution, only what is prefilled.
+
+    `ignore_eos` (llama.cpp's and vLLM's name): an end-of-sequence token is kept and decoding goes on, to
+    max_new_tokens (benchmarks that must generate a fixed number of tokens); not with a grammar constraint, which
+    ends with EOS.
     """
 
     max_new_tokens: int = 64
@@ -57,6 +61,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     cache_prompt: bool = True
+    ignore_eos: bool = False
 
     def __post_init__(self):
         for name, allowed in (("method", METHODS), ("drafter", DRAFTERS), ("verification", VERIFICATIONS)):
@@ -83,8 +88,9 @@ class SamplingParams:
         if not 0 <= threshold <= 1:
             raise SpecDecError(f"draft_confidence_threshold must be between 0 and 1, got {threshold}",
                                field="draft_confidence_threshold")
-        if not isinstance(self.cache_prompt, bool):
-            raise SpecDecError(f"cache_prompt must be true or false, got {self.cache_prompt!r}", field="cache_prompt")
+        for name in ("cache_prompt", "ignore_eos"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecDecError(f"{name} must be true or false, got {getattr(self, name)!r}", field=name)
         if not isinstance(self.grammar_drafter, bool):
             raise SpecDecError(f"grammar_drafter must be true or false, got {self.grammar_drafter!r}",
                                field="grammar_drafter")

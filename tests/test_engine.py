@@ -112,6 +112,27 @@ def test_eos_inside_accepted_draft_run():
     assert result.token_ids[-1] == eos and result.sources[-1] == "draft"
 
 
+@pytest.mark.parametrize("method", ["target", "google", "deepmind"])
+def test_ignore_eos_keeps_an_eos_and_decodes_to_max_new_tokens(method):
+    """ignore_eos: the EOS a greedy run would stop at is kept, the tokens are those of a run with no EOS at all,
+    and decoding ends at max_new_tokens ("length")."""
+    target = make_model("llama", seed=0, initializer_range=0.1)
+    decoder = SpeculativeDecoder(perturbed_copy(target, noise=0.3), target)
+    free = decoder.generate(PROMPT, max_new_tokens=12, method=method, temperature=0, eos_token_id=[])
+    eos = free.token_ids[2]
+    stopped = decoder.generate(PROMPT, max_new_tokens=12, method=method, temperature=0, eos_token_id=eos)
+    assert stopped.finish_reason == "stop" and len(stopped.token_ids) < 12
+    params = SamplingParams(max_new_tokens=12, method=method, temperature=0, ignore_eos=True)
+    kept = decoder.generate(PROMPT, params=params, eos_token_id=eos)
+    assert kept.token_ids == free.token_ids and kept.finish_reason == "length"
+
+
+def test_ignore_eos_is_a_boolean_and_not_with_a_grammar():
+    with pytest.raises(SpecDecError, match="ignore_eos must be true or false") as error:
+        SamplingParams(ignore_eos="yes")
+    assert error.value.field == "ignore_eos"
+
+
 def test_eos_from_generation_config():
     target = make_model("llama", seed=0, initializer_range=0.1)
     greedy = SpeculativeDecoder(target, target).generate(PROMPT, max_new_tokens=12, method="target",

@@ -56,6 +56,15 @@ def test_bad_constraints_name_their_field(constraint, field):
     assert error.value.field == field
 
 
+def test_ignore_eos_is_refused_under_a_grammar(tiny):
+    """A grammar ends with EOS: going on past it has no allowed token, so the request is refused up front."""
+    decoder, tokenizer, compiler = tiny
+    grammar = compiler.compile(Constraint.json_schema(SCHEMA))
+    with pytest.raises(SpecDecError, match="ignore_eos") as error:
+        decoder.generate([1, 2], params=SamplingParams(max_new_tokens=8, ignore_eos=True), grammar=grammar)
+    assert error.value.field == "ignore_eos"
+
+
 @pytest.mark.parametrize("drafter", ["model", "lookup", "hybrid"])
 @pytest.mark.parametrize("verification", ["token", "block"])
 @pytest.mark.parametrize("method", ["google", "deepmind"])

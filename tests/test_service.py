@@ -158,6 +158,23 @@ def test_predict_returns_completion_usage_and_stats(client):
     assert response.headers["X-Request-ID"]
 
 
+def test_predict_ignore_eos_decodes_to_max_new_tokens(client, pair):
+    """ignore_eos: the EOS a greedy answer stops at is kept, to max_new_tokens ("length"); a non-boolean is a 422
+    naming the field, and so is ignore_eos with a constraint."""
+    body = {"prompt": "abc", "max_new_tokens": 40, "temperature": 0, "method": "target", "details": True,
+            "cache_prompt": False}
+    plain = client.post("/predict", json=body).get_json()
+    forced = client.post("/predict", json={**body, "ignore_eos": True}).get_json()
+    assert forced["usage"]["completion_tokens"] == 40 and forced["finish_reason"] == "length"
+    ids = [t["id"] for t in forced["tokens"]]
+    assert ids[:len(plain["tokens"])] == [t["id"] for t in plain["tokens"]]
+    bad = client.post("/predict", json={**body, "ignore_eos": "yes"})
+    assert bad.status_code == 422 and bad.get_json()["error"]["field"] == "ignore_eos"
+    constrained = client.post("/predict", json={**body, "ignore_eos": True,
+                                                "response_format": {"type": "json_object"}})
+    assert 400 <= constrained.status_code < 500 and constrained.get_json()["error"]["field"] == "ignore_eos"
+
+
 def test_request_id_is_echoed(client):
     response = client.get("/healthz", headers={"X-Request-ID": "abc-123"})
     assert response.headers["X-Request-ID"] == "abc-123"

@@ -20,10 +20,11 @@ class Generation:
     """One request's decoding, from the engine stream it was given to its last event."""
 
     def __init__(self, service, stream, slot, record, prompt_ids: list[int], max_new_tokens: int,
-                 stop=(), details: bool = False, logprobs: bool = False):
+                 stop=(), details: bool = False, logprobs: bool = False, eos=()):
         self.service, self.stream, self.slot, self.record = service, stream, slot, record
         self.prompt_ids, self.max_new_tokens, self.details = prompt_ids, max_new_tokens, details
         self.logprobs = logprobs  # the request asked for the tokens' log-probabilities
+        self.eos = frozenset(eos)  # the tokens that end this request's decoding (none with ignore_eos)
         self.prompt_logprobs = None  # the prompt's (TokenLogprobs, None for the first), when asked for
         self.completion = Completion(service.decode, prompt_ids, stop)
         self.result = None
@@ -67,7 +68,7 @@ class Generation:
     def _finished_by(self, chunk) -> bool:
         """Whether this round ended decoding anyway (max_new_tokens reached, or an end-of-sequence token)."""
         return (self.new_tokens >= self.max_new_tokens
-                or bool(chunk.token_ids) and chunk.token_ids[-1] in self.service.models.eos_token_ids)
+                or bool(chunk.token_ids) and chunk.token_ids[-1] in self.eos)
 
     def run(self) -> None:
         """Decode to the end (a JSON answer) in one engine call: the rounds and their checks (stop strings, the

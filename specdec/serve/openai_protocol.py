@@ -34,6 +34,7 @@ from .protocol import (
     CACHE_PROMPT_DESCRIPTION,
     CONFIDENCE_DESCRIPTION,
     DRAFTER_DESCRIPTION,
+    IGNORE_EOS_DESCRIPTION,
     LOGPROBS_DESCRIPTION,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -242,6 +243,7 @@ class _Request(BaseModel):
     draft_confidence_threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
                                                      description="extension: " + CONFIDENCE_DESCRIPTION)
     cache_prompt: bool | None = Field(None, description="extension: " + CACHE_PROMPT_DESCRIPTION)
+    ignore_eos: bool | None = Field(None, description="extension (vLLM's): " + IGNORE_EOS_DESCRIPTION)
     response_format: ResponseFormat | None = Field(
         None, description="text, json_object (any JSON object) or json_schema (the answer follows the schema)")
     structured_outputs: StructuredOutputs | None = Field(

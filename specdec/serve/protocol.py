@@ -48,6 +48,8 @@ DRAFTER_DESCRIPTION = ("who proposes: the draft model, prompt lookup (n-grams of
 VERIFICATION_DESCRIPTION = "how proposals are verified: token by token, or the block jointly (Sun et al. 2025)"
 CONFIDENCE_DESCRIPTION = ("the draft model ends its run before gamma after a token it gave a probability below "
                           "this (softmax of its logits, before temperature, top-k and top-p); 0: never")
+IGNORE_EOS_DESCRIPTION = ("keep an end-of-sequence token and go on to the token limit (default false; not with "
+                          "a response_format or structured_outputs constraint)")
 SEED_DESCRIPTION = ("the same seed and request give the same completion (with cache_prompt false; with the prompt "
                     "cache, only where it holds the same); default random")
 CACHE_PROMPT_DESCRIPTION = ("start from the prompt cache (reuse what an earlier request shared with this prompt) and "
@@ -101,6 +103,7 @@ class PredictRequest(BaseModel):
         None, max_length=MAX_STOP_STRINGS, description="the completion ends before the first one found")
     chat: bool | None = Field(None, description="wrap the prompt in the model's chat template")
     cache_prompt: bool | None = Field(None, description=CACHE_PROMPT_DESCRIPTION)
+    ignore_eos: bool | None = Field(None, description=IGNORE_EOS_DESCRIPTION)
     details: bool | None = Field(None, description="add the per-token list")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="add `logprobs`: " + LOGPROBS_DESCRIPTION)
     stream: bool | None = Field(None, description="answer with Server-Sent Events")

@@ -11,11 +11,14 @@ from dataclasses import dataclass
 import torch
 
 TOP_P_CANDIDATES = 1024  # top-p first looks at this many most likely tokens, and sorts everything only if needed
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Apply temperature, top-k and top-p to (..., V) logits; removed entries become -inf. temperature must be > 0."""
-    scores = logits.float() / temperature
+    # a temperature past float32's range would become inf, and a masked logit (-inf) over inf is NaN; below it every
+    # finite logit over T is already within float32's smallest values, so the distribution is the same: uniform
+    scores = logits.float() / min(temperature, FLOAT32_MAX)
     if top_k and top_k < scores.size(-1):
         # keep every entry tied with the k-th largest, as TopKLogitsWarper does
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]

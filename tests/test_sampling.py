@@ -75,3 +75,15 @@ def test_token_probability_is_the_unwarped_softmax_entry():
     for token in (0, int(probs.argmax()), 151_935):
         assert token_probability(logits, token) == pytest.approx(float(probs[token]), rel=1e-4)
     assert token_probability(torch.tensor([0.0, 0.0, float("-inf")]), 2) == 0.0
+
+
+def test_a_temperature_past_float32s_range_samples_uniformly_over_what_is_not_masked():
+    """Found by the OpenAPI fuzzer: at T = 6e307 the divisor overflowed float32 to inf, a grammar's masked logits
+    (-inf) became NaN, and the draw could land on a forbidden token."""
+    logits = torch.tensor([[2.0, float("-inf"), -3.0, float("-inf"), 0.5]])
+    for temperature in (6.1e307, 1e39, 3e38):
+        probs = logits_to_probs(logits, temperature)
+        assert not probs.isnan().any()
+        torch.testing.assert_close(probs, torch.tensor([[1 / 3, 0.0, 1 / 3, 0.0, 1 / 3]]))
+    generator = torch.Generator().manual_seed(0)
+    assert {sample(logits_to_probs(logits[0], 6.1e307), generator) for _ in range(200)} == {0, 2, 4}

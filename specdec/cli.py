@@ -159,6 +159,9 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
     parser.add_argument("--weights", default="shipped", type=str.lower, choices=("shipped", "float"),
                         help="shipped (default): a model from a GGUF file (the default pair) computes with the GGUF's "
                              "own 4- and 8-bit weights on CPU; float: weights dequantized to float")
+    parser.add_argument("--quantize", default="none", type=str.lower, choices=("none", "int4", "int8"),
+                        help="none (default); int4 or int8: a float model (not a GGUF one) has its linear layers "
+                             "quantized per group of 32 for the grouped CPU kernel. This changes the model")
     parser.add_argument("--compile", default="auto", type=str.lower, choices=("auto", "true", "false"),
                         help="the compiled static-cache path (torch.compile of each model's forwards of 1-17 tokens, "
                              "compiled at start-up): auto (default) is on for CUDA, off on CPU")
@@ -295,7 +298,7 @@ def run(args, out=None) -> int:
                                          dtype=args.dtype, device_map=args.device_map,
                                          trust_remote_code=args.trust_remote_code,
                                          draft_quantization=args.draft_quantization, compile=args.compile,
-                                         weights=args.weights)
+                                         weights=args.weights, quantize=args.quantize)
     decoder = SpeculativeDecoder(draft, target, tokenizer, lookup=lookup)
     if not args.input:
         raise SpecDecError("the input is empty", field="input")

@@ -96,6 +96,18 @@ def test_unquantized_draft_keeps_greedy_equivalence(pair_args, capsys):
     assert texts["google"] == texts["target"] and texts["deepmind"] == texts["target"]
 
 
+def test_quantized_pair_keeps_greedy_equivalence(pair_args, capsys, caplog):
+    """--quantize int4: the float pair's linear layers in 4-bit groups (a changed model), and speculative greedy
+    output still the (quantized) target's."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        assert main(pair_args + ["--temperature", "0", "-M", "24", "--quantize", "INT4"]) == 0
+    texts = completions(capsys.readouterr().out)
+    assert texts["google"] == texts["target"] and texts["deepmind"] == texts["target"]
+    assert "quantized the float models to int4" in caplog.text
+
+
 def test_compiled_path_keeps_greedy_equivalence(pair_args, capsys, caplog):
     import logging
 
@@ -156,6 +168,7 @@ def test_benchmark_prints_speedup_over_target(pair_args, capsys):
     (["--dtype", "int4"], "dtype"),
     (["--draft_quantization", "int4"], "draft_quantization"),
     (["--compile", "sometimes"], "--compile"),
+    (["--quantize", "int3"], "--quantize"),
     (["--device", "tpu9"], "device"),
     (["--lookup_max_tokens", "0"], "--lookup_max_tokens"),
     (["--lookup_max_ngram", "many"], "--lookup_max_ngram"),

@@ -19,6 +19,7 @@ from specdec.cpu.grouped import (
     dequantize,
     grouped_kernel,
     pack,
+    quantize,
     tiled,
     values,
 )
@@ -253,13 +254,7 @@ def group_linear(linear: nn.Linear) -> GroupedLinear:
     w = linear.weight.detach().float()
     n, k = w.shape
     if k % 64 == 0:
-        groups = w.reshape(n, k // 32, 32)
-        low, high = groups.amin(-1), groups.amax(-1)
-        scale = ((high - low) / 15).clamp_min(1e-8)
-        v = ((groups - low.unsqueeze(-1)) / scale.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
-        pairs = v.reshape(n, k // 64, 2, 32)
-        q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
-        grouped = Grouped(q.contiguous(), scale.contiguous(), (-low).contiguous(), 4, 32)
+        grouped = quantize(w, 4)  # the service's own quantize = "int4"
     else:
         groups = w.reshape(n, k // 16, 16)
         scale = (groups.abs().amax(-1) / 127).clamp_min(1e-8)
@@ -345,6 +340,70 @@ def test_grouped_greedy_speculative_equals_grouped_target_only(drafter, rule, me
                               verification=rule, eos_token_id=[])
     assert result.token_ids == reference
     assert result.stats.accepted > 0
+
+
+# --- quantize: float models in the same forms ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_puts_each_value_within_half_a_step(bits):
+    """Round to nearest per group of 32: every dequantized value is within half a step (the group's scale) of the
+    float weight; a flat group is exact."""
+    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(bits)) * 0.05
+    w[3, :32] = 0.25  # a flat group
+    grouped = quantize(w, bits)
+    assert (grouped.bits, grouped.group) == (bits, 32) and (grouped.minimum is None) == (bits == 8)
+    error = (dequantize(grouped) - w).abs().reshape(40, 4, 32)
+    assert (error <= grouped.scale.unsqueeze(-1) / 2 * (1 + 1e-5) + 1e-7).all()
+    assert error[3, 0].max() <= 1e-7
+    assert error.max() > 0  # it did change the model
+
+
+def test_quantize_refuses_a_width_without_whole_groups():
+    with pytest.raises(ValueError, match="no 4-bit groups"):
+        quantize(torch.randn(4, 96), 4)
+    assert quantize(torch.randn(4, 96), 8).shape == (4, 96)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_load_pair_quantizes_a_float_pair_and_speculation_stays_the_quantized_targets(tiny_pair_dirs, quantization,
+                                                                                       caplog):
+    """quantize = int4 or int8 on a float pair (not from a GGUF): its linear layers become grouped ones of those
+    bits, the draft is not quantized again, and greedy speculative output equals the quantized target's greedy
+    output with every method."""
+    import logging
+
+    from specdec.models.pair import load_pair
+
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        draft, target, _ = load_pair(*tiny_pair_dirs, device="cpu", quantize=quantization)
+    bits = 4 if quantization == "int4" else 8
+    for model in (draft, target):
+        layers = [m for m in model.modules() if isinstance(m, GroupedLinear)]
+        assert layers and {m.bits for m in layers} <= {bits, 5, 6} and not any(
+            type(m) is nn.Linear for m in model.modules())
+    assert f"quantized the float models to {quantization}" in caplog.text
+    decoder = SpeculativeDecoder(draft, target)
+    prompt = [5, 17, 42, 8, 99, 3, 5, 17, 42, 8]
+    reference = decoder.generate(prompt, max_new_tokens=24, method="target", temperature=0, eos_token_id=[])
+    for method in ("google", "deepmind"):
+        result = decoder.generate(prompt, max_new_tokens=24, method=method, temperature=0, eos_token_id=[])
+        assert result.token_ids == reference.token_ids
+
+
+def test_quantize_choice_is_checked_and_applies_to_cpu_models_only(caplog):
+    import logging
+
+    from specdec.models.shipped import quantize_applies, resolve_quantize
+
+    assert resolve_quantize(None) == "none" and resolve_quantize(" INT8 ") == "int8"
+    with pytest.raises(SpecDecError, match="quantize must be none, int4 or int8") as raised:
+        resolve_quantize("int3")
+    assert raised.value.field == "quantize"
+    assert not quantize_applies("none", torch.device("cpu"), None)
+    assert quantize_applies("int4", torch.device("cpu"), None)
+    with caplog.at_level(logging.WARNING, logger="specdec.models.shipped"):
+        assert not quantize_applies("int4", torch.device("cuda"), None)
+    assert "CPU models" in caplog.text
 
 
 # --- loading: the choice, the origin, the names ----------------------------------------------------------------------

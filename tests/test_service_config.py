@@ -37,6 +37,13 @@ def test_compile_from_the_file_and_the_environment(tmp_path):
         load_settings(environ={"SPECDEC_COMPILE": "sometimes"})
 
 
+def test_quantize_from_the_file_and_the_environment():
+    assert load_settings(environ={}).quantize == "none"  # config/default.toml: the model as it is
+    assert load_settings(environ={"SPECDEC_QUANTIZE": "INT4"}).quantize == "int4"
+    with pytest.raises(ConfigError, match="quantize.*SPECDEC_QUANTIZE"):
+        load_settings(environ={"SPECDEC_QUANTIZE": "int3"})
+
+
 def test_drafter_and_verification_from_the_environment():
     settings = load_settings(environ={"SPECDEC_DRAFTER": "Hybrid", "SPECDEC_VERIFICATION": "block"})
     assert (settings.sampling.drafter, settings.sampling.verification) == ("hybrid", "block")

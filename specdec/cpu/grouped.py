@@ -102,6 +102,45 @@ def pack(data: np.ndarray, qtype: str) -> Grouped:
                    group, unit)
 
 
+QUANTIZE_GROUP = 32  # values per group along K, as GGUF's Q4_K and Q8_0 groups
+
+
+def quantize(weight: torch.Tensor, bits: int) -> Grouped:
+    """A float weight [N, K] quantized per group of 32 along K, to the nearest level: this changes the model (for
+    models not shipped in low-bit form; `quantize` in the configuration). 4 bits: a scale and a minimum per group,
+    w ~ scale * v - minimum with v in 0..15 (the form of Q4_K's groups; K a multiple of 64); 8 bits: symmetric,
+    w ~ scale * v with v in -127..127 (Q8_0's; K a multiple of 32). Each value is within half a step of w."""
+    w = weight.detach().float()
+    n, k = w.shape
+    if k % (64 if bits == 4 else QUANTIZE_GROUP) or bits not in (4, 8):
+        raise ValueError(f"no {bits}-bit groups for K = {k}")
+    groups = w.reshape(n, k // QUANTIZE_GROUP, QUANTIZE_GROUP)
+    if bits == 4:
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = (high - low) / 15
+        step = torch.where(scale > 0, scale, torch.ones_like(scale))  # a flat group: every v is 0, w = low
+        v = ((groups - low.unsqueeze(-1)) / step.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+        pairs = v.reshape(n, k // 64, 2, 32)  # GGUF's nibble order: group 2p low, group 2p + 1 high
+        q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
+        return Grouped(q.contiguous(), scale.contiguous(), (-low).contiguous(), 4, QUANTIZE_GROUP)
+    scale = groups.abs().amax(-1) / 127
+    step = torch.where(scale > 0, scale, torch.ones_like(scale))
+    v = (groups / step.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+    return Grouped(v.reshape(n, k).contiguous(), scale.contiguous(), None, 8, QUANTIZE_GROUP)
+
+
+def quantize_model(model: nn.Module, bits: int) -> int:
+    """Swap `model`'s nn.Linear layers for GroupedLinear ones quantized to `bits` (`quantize`), in place, where K
+    allows the groups; the others stay as they are. Returns how many were swapped."""
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and child.in_features % (64 if bits == 4 else QUANTIZE_GROUP) == 0:
+                setattr(parent, name, GroupedLinear(quantize(child.weight, bits), child.bias))
+                swapped += 1
+    return swapped
+
+
 def values(grouped: Grouped) -> torch.Tensor:
     """v[n, k] as float32 ([N, K])."""
     if grouped.bits == 8:

@@ -14,7 +14,16 @@ from .kernels import apply_cpu_kernels, layer_kinds
 from .load import load_draft, load_model, read_soon
 from .memory import release_free_memory
 from .quantization import resolve_draft_quantization
-from .shipped import gguf_origin, kept_form_current, load_shipped, resolve_weights, shipped_applies, use_shipped_weights
+from .shipped import (
+    gguf_origin,
+    kept_form_current,
+    load_shipped,
+    quantize_applies,
+    resolve_quantize,
+    resolve_weights,
+    shipped_applies,
+    use_shipped_weights,
+)
 from .sources import resolve_device, resolve_dtype, resolve_source
 from .startup import startup_step
 from .tokenizers import load_and_check_tokenizers
@@ -22,7 +31,8 @@ from .tokenizers import load_and_check_tokenizers
 
 def load_pair(draft: str | None = None, target: str | None = None, device: str = "auto", dtype: str = "auto",
               device_map=None, trust_remote_code: bool = False, cpu_kernels: bool = True,
-              draft_quantization: str | None = "int8", compile: str | bool = "auto", weights: str = "shipped"):
+              draft_quantization: str | None = "int8", compile: str | bool = "auto", weights: str = "shipped",
+              quantize: str | None = "none"):
     """(draft_model, target_model, tokenizer) ready for SpeculativeDecoder; None or "default" is the default pair.
 
     `device_map` (e.g. "auto") spreads the target over several GPUs with accelerate; the draft stays on `device`.
@@ -50,6 +60,11 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     layer in float, as dequantized when the GGUF was converted. CUDA models and other models are loaded as they
     are either way.
 
+    `quantize`: "none" (default), "int4" or "int8". Any CPU model not served in GGUF form has its linear layers
+    quantized per group of 32 for the grouped kernel (`cpu.grouped.quantize`): 4 bits with a scale and a minimum
+    per group, or 8 bits symmetric. This changes the model: speculative decoding then samples exactly the quantized
+    target's distribution, not the float one's. A quantized draft is not quantized again (draft_quantization).
+
     Each step logs one line with its seconds ("start-up: ...").
     """
     from ..engine import check_vocabularies
@@ -65,6 +80,12 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
         shipped = shipped_applies(weights, device, device_map, (draft_source, target_source))
         if shipped and gguf_origin(draft_source) is not None:
             draft_quantization = "none"  # its own low-bit weights instead
+        quantize = resolve_quantize(quantize)
+        # float models quantized for the grouped kernel: shipped ones keep the GGUF's own forms
+        quantized = {role: quantize_applies(quantize, device, device_map) and not (shipped and gguf_origin(source))
+                     for role, source in (("draft", draft_source), ("target", target_source))}
+        if quantized["draft"]:
+            draft_quantization = "none"  # quantized for the grouped kernel instead
 
     # the target's weights start coming in at once, beside the tokenizers and the draft: reading waits on the disk
     # and on fresh memory, the others on one core; a pair that fails its checks drops them
@@ -92,6 +113,15 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
         with startup_step("the GGUF's own weights") as note:
             counts = [use_shipped_weights(model, source)
                       for model, source in ((draft_model, draft_source), (target_model, target_source))]
+            release_free_memory()
+            note["detail"] = f"draft: {counts[0]} layers; target: {counts[1]} layers"
+    if any(quantized.values()):
+        from ..cpu.grouped import quantize_model
+
+        bits = 4 if quantize == "int4" else 8
+        with startup_step(f"quantized the float models to {quantize} (this changes the model)") as note:
+            counts = [quantize_model(model, bits) if quantized[role] else 0
+                      for role, model in (("draft", draft_model), ("target", target_model))]
             release_free_memory()
             note["detail"] = f"draft: {counts[0]} layers; target: {counts[1]} layers"
     with startup_step("CPU kernels for the pair") as note:

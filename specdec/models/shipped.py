@@ -40,6 +40,34 @@ def resolve_weights(value) -> str:
     return name
 
 
+QUANTIZATIONS = ("none", "int4", "int8")
+
+
+def resolve_quantize(value) -> str:
+    """"none" (None too), "int4" or "int8": whether float models are quantized for the grouped kernel."""
+    name = "none" if value is None else str(value).strip().lower()
+    if name not in QUANTIZATIONS:
+        raise SpecDecError(f"quantize must be none, int4 or int8, got {value!r}", field="quantize")
+    return name
+
+
+def quantize_applies(quantize: str, device: torch.device, device_map) -> bool:
+    """Whether `quantize` takes effect: int4 or int8, CPU models on one device, and the grouped kernel built with
+    AVX-512 VNNI or AVX2; otherwise the models stay as they are, with a warning where one was asked for."""
+    if quantize == "none":
+        return False
+    from ..cpu.grouped import fast_kernel
+
+    if device.type != "cpu" or device_map is not None:
+        logger.warning("quantize = %s applies to CPU models on one device; loading the models as they are", quantize)
+        return False
+    if not fast_kernel():
+        logger.warning("quantize = %s: this CPU has neither AVX-512 VNNI nor AVX2 for the grouped kernel; "
+                       "loading the models as they are", quantize)
+        return False
+    return True
+
+
 def shipped_applies(weights: str, device: torch.device, device_map, sources) -> bool:
     """Whether `weights` = "shipped" takes effect: CPU models on one device, one of `sources` from a GGUF file, and
     the kernel built with AVX-512 VNNI or AVX2. Without either it computes lane by lane (exact, tens of times

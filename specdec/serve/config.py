@@ -41,6 +41,7 @@ class Settings(BaseModel):
     draft_quantization: Literal["int8", "none"]
     compile: Literal["auto", "true", "false"]
     weights: Literal["shipped", "float"]
+    quantize: Literal["none", "int4", "int8"]
     method: Literal[SERVED_METHODS]
     drafter: Literal[DRAFTERS]
     verification: Literal[VERIFICATIONS]
@@ -92,7 +93,7 @@ class Settings(BaseModel):
         return value
 
     @field_validator("log_level", "dtype", "draft_quantization", "drafter", "verification", "compile", "weights",
-                     mode="before")
+                     "quantize", mode="before")
     @classmethod
     def _lower(cls, value):
         if isinstance(value, bool):  # compile = true in a TOML file

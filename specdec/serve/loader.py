@@ -130,7 +130,7 @@ def load_configured_pair(settings: Settings):
 
     return load_pair(draft=settings.draft_model, target=settings.target_model, device=settings.device,
                      dtype=settings.dtype, draft_quantization=settings.draft_quantization, compile=settings.compile,
-                     weights=settings.weights)
+                     weights=settings.weights, quantize=settings.quantize)
 
 
 def prompt_cache_budget(settings: Settings, draft, target) -> int:

@@ -82,7 +82,8 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
             draft_quantization = "none"  # its own low-bit weights instead
         quantize = resolve_quantize(quantize)
         # float models quantized for the grouped kernel: shipped ones keep the GGUF's own forms
-        quantized = {role: quantize_applies(quantize, device, device_map) and not (shipped and gguf_origin(source))
+        applies = quantize_applies(quantize, device, device_map)
+        quantized = {role: applies and not (shipped and gguf_origin(source))
                      for role, source in (("draft", draft_source), ("target", target_source))}
         if quantized["draft"]:
             draft_quantization = "none"  # quantized for the grouped kernel instead

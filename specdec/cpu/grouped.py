@@ -5,8 +5,9 @@
 Q4_K keeps its 4-bit quants byte for byte (two groups of 32 per 32 bytes: low nibbles, then high ones), with
 scale = d * sc and minimum = dmin * m; Q6_K (groups of 16), Q5_0 and Q8_0 (groups of 32) become int8 values
 (q - 32, q - 16, q) with scale = d * scale or d, and no minimum, which the kernel holds in 6, 5 and 8 bits
-(`tiled`: the fewest that hold them, so it reads about the bytes the GGUF file has). Each scale and minimum is the float32 product the
-GGUF's own dequantization takes, so `dequantize(pack(t))` is bitwise `gguf.quants.dequantize(t)`.
+(`tiled`: the fewest that hold them, so it reads about the bytes the GGUF file has). Each scale and minimum is the
+float32 product the GGUF's own dequantization takes, so `dequantize(pack(t))` is bitwise
+`gguf.quants.dequantize(t)`.
 
     grouped = pack(tensor.data, tensor.tensor_type)   # a GGUF tensor's blocks, [N, bytes per row]
     layer = GroupedLinear(grouped, bias)              # a drop-in nn.Linear: torch.ops.specdec_grouped.grouped_linear
@@ -105,6 +106,11 @@ def pack(data: np.ndarray, qtype: str) -> Grouped:
 QUANTIZE_GROUP = 32  # values per group along K, as GGUF's Q4_K and Q8_0 groups
 
 
+def quantizable(k: int, bits: int) -> bool:
+    """Whether `quantize` makes `bits`-bit groups of a weight K wide: 4-bit groups go in pairs (64 values)."""
+    return bits in (4, 8) and k % (64 if bits == 4 else QUANTIZE_GROUP) == 0
+
+
 def quantize(weight: torch.Tensor, bits: int) -> Grouped:
     """A float weight [N, K] quantized per group of 32 along K, to the nearest level: this changes the model (for
     models not shipped in low-bit form; `quantize` in the configuration). 4 bits: a scale and a minimum per group,
@@ -112,20 +118,22 @@ def quantize(weight: torch.Tensor, bits: int) -> Grouped:
     w ~ scale * v with v in -127..127 (Q8_0's; K a multiple of 32). Each value is within half a step of w."""
     w = weight.detach().float()
     n, k = w.shape
-    if k % (64 if bits == 4 else QUANTIZE_GROUP) or bits not in (4, 8):
+    if not quantizable(k, bits):
         raise ValueError(f"no {bits}-bit groups for K = {k}")
     groups = w.reshape(n, k // QUANTIZE_GROUP, QUANTIZE_GROUP)
+
+    def step(scale: torch.Tensor) -> torch.Tensor:  # a flat group's scale is 0: its every v is then 0
+        return torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+
     if bits == 4:
         low, high = groups.amin(-1), groups.amax(-1)
         scale = (high - low) / 15
-        step = torch.where(scale > 0, scale, torch.ones_like(scale))  # a flat group: every v is 0, w = low
-        v = ((groups - low.unsqueeze(-1)) / step.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+        v = ((groups - low.unsqueeze(-1)) / step(scale)).round().clamp(0, 15).to(torch.uint8)
         pairs = v.reshape(n, k // 64, 2, 32)  # GGUF's nibble order: group 2p low, group 2p + 1 high
         q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
         return Grouped(q.contiguous(), scale.contiguous(), (-low).contiguous(), 4, QUANTIZE_GROUP)
     scale = groups.abs().amax(-1) / 127
-    step = torch.where(scale > 0, scale, torch.ones_like(scale))
-    v = (groups / step.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
+    v = (groups / step(scale)).round().clamp(-127, 127).to(torch.int8)
     return Grouped(v.reshape(n, k).contiguous(), scale.contiguous(), None, 8, QUANTIZE_GROUP)
 
 
@@ -135,7 +143,7 @@ def quantize_model(model: nn.Module, bits: int) -> int:
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.in_features % (64 if bits == 4 else QUANTIZE_GROUP) == 0:
+            if type(child) is nn.Linear and quantizable(child.in_features, bits):
                 setattr(parent, name, GroupedLinear(quantize(child.weight, bits), child.bias))
                 swapped += 1
     return swapped
@@ -212,7 +220,8 @@ def compact(scale: torch.Tensor, unit: torch.Tensor | None, group: int) -> tuple
 class Tiled:
     """A grouped weight as the kernel reads it (`tiled`): q [N' / 16, 16 * bytes per row] with N' the rows padded
     to a multiple of 16, every 16 rows interleaved 4 bytes at a time (values in `bits`: 4-bit nibbles as GGUF has
-    them, 8-bit as v + 128, 5- and 6-bit as v + 2^(bits - 1) in a plane of nibbles and one of top bits); scales, minimums and their units (`compact`) 16 rows side by side ([N' / 16, groups * 16])."""
+    them, 8-bit as v + 128, 5- and 6-bit as v + 2^(bits - 1) in a plane of nibbles and one of top bits); scales,
+    minimums and their units (`compact`) 16 rows side by side ([N' / 16, groups * 16])."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -265,8 +274,9 @@ def tiled(grouped: Grouped, bits: int | None = None) -> Tiled:
     the fewest that hold them, `storage_bits`). Every form of the same values gives the same integer sums, so the
     same output bits."""
     n, _ = grouped.shape
-    bits = storage_bits(grouped) if bits is None else bits
-    if bits not in ((4,) if grouped.bits == 4 else (5, 6, 8)) or bits < storage_bits(grouped):
+    fewest = storage_bits(grouped)
+    bits = fewest if bits is None else bits
+    if bits not in ((4,) if grouped.bits == 4 else (5, 6, 8)) or bits < fewest:
         raise ValueError(f"{bits} bits cannot hold this weight's values ({grouped.bits}-bit grouped)")
     pad = -n % TILE
     # unsigned: the nibbles as they are, else v + 2^(bits - 1) (modulo 256 for 8 bits)

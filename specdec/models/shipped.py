@@ -56,16 +56,21 @@ def quantize_applies(quantize: str, device: torch.device, device_map) -> bool:
     AVX-512 VNNI or AVX2; otherwise the models stay as they are, with a warning where one was asked for."""
     if quantize == "none":
         return False
-    from ..cpu.grouped import fast_kernel
-
     if device.type != "cpu" or device_map is not None:
         logger.warning("quantize = %s applies to CPU models on one device; loading the models as they are", quantize)
         return False
-    if not fast_kernel():
-        logger.warning("quantize = %s: this CPU has neither AVX-512 VNNI nor AVX2 for the grouped kernel; "
-                       "loading the models as they are", quantize)
-        return False
-    return True
+    return _vector_kernel(f"quantize = {quantize}", "loading the models as they are")
+
+
+def _vector_kernel(setting: str, instead: str) -> bool:
+    """Whether the grouped kernel is built here with AVX-512 VNNI or AVX2; if not, a warning that `setting` gives
+    way to `instead`."""
+    from ..cpu.grouped import fast_kernel
+
+    if fast_kernel():
+        return True
+    logger.warning("%s: this CPU has neither AVX-512 VNNI nor AVX2 for the grouped kernel; %s", setting, instead)
+    return False
 
 
 def shipped_applies(weights: str, device: torch.device, device_map, sources) -> bool:
@@ -76,13 +81,7 @@ def shipped_applies(weights: str, device: torch.device, device_map, sources) -> 
         return False
     if all(gguf_origin(source) is None for source in sources):
         return False  # nothing shipped in low-bit form: the models load as they are
-    from ..cpu.grouped import fast_kernel
-
-    if not fast_kernel():
-        logger.warning("weights = shipped: this CPU has neither AVX-512 VNNI nor AVX2 for the grouped kernel; "
-                       "serving float weights")
-        return False
-    return True
+    return _vector_kernel("weights = shipped", "serving float weights")
 
 
 def gguf_origin(source: ModelSource):

@@ -115,8 +115,9 @@ class CompiledGrammar:
     """A checked grammar, ready to start a request's state from (a copy of its pristine matcher)."""
 
     def __init__(self, constraint: Constraint, matcher: llguidance.LLMatcher, vocab_size: int, width: int, eos: int,
-                 compile_seconds: float):
+                 compile_seconds: float, specials: torch.Tensor | None = None):
         self.constraint = constraint
+        self.specials = specials
         self._matcher = matcher
         self.vocab_size = vocab_size
         self.width = width  # the grammar tokenizer's vocabulary, which its bitmasks cover
@@ -125,7 +126,7 @@ class CompiledGrammar:
 
     def start(self, eos: set[int]) -> "GrammarState":
         """A request's state at the grammar's start; `eos`: the ids that end its generation."""
-        return GrammarState(self._matcher.deep_copy(), self.vocab_size, eos, self.eos, self.width)
+        return GrammarState(self._matcher.deep_copy(), self.vocab_size, eos, self.eos, self.width, self.specials)
 
 
 class GrammarCompiler:
@@ -136,6 +137,9 @@ class GrammarCompiler:
         self.vocab_size = vocab_size  # the engine's (shared) vocabulary: masks have this width
         self.tokenizer = tokenizer if isinstance(tokenizer, llguidance.LLTokenizer) \
             else ll_tokenizer(tokenizer, max(vocab_size, len(tokenizer)))
+        # the special tokens (an unknown-token, a padding token): checked one by one where a mask allows them
+        self.specials = torch.tensor([t for t in range(min(vocab_size, self.tokenizer.vocab_size))
+                                      if self.tokenizer.is_special_token(t)], dtype=torch.long)
         self.cache_size = cache_size
         self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
         self.hits = self.misses = 0
@@ -159,8 +163,8 @@ class GrammarCompiler:
         if matcher.is_error():
             raise SpecDecError(f"invalid or unsupported {constraint.kind}: {_first_lines(matcher.get_error())}",
                                field=constraint.field)
-        compiled = CompiledGrammar(constraint, matcher, self.vocab_size, self.tokenizer.vocab_size, self.tokenizer.eos_token,
-                                   time.perf_counter() - start)
+        compiled = CompiledGrammar(constraint, matcher, self.vocab_size, self.tokenizer.vocab_size,
+                                   self.tokenizer.eos_token, time.perf_counter() - start, self.specials)
         self._cache[key] = compiled
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
@@ -181,11 +185,12 @@ class GrammarState:
     (masks, forced tokens, state), `masks` the masks computed."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: set[int], preferred_eos: int | None = None,
-                 width: int | None = None):
+                 width: int | None = None, specials: torch.Tensor | None = None):
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.eos = sorted(t for t in eos if t < vocab_size)
         self.end = preferred_eos if preferred_eos in self.eos else (self.eos[0] if self.eos else None)
+        self.specials = None if specials is None else specials[~torch.isin(specials, torch.tensor(self.eos))]
         self.tokens: list[int] = []  # consumed, in order
         self._bits = llguidance.torch.allocate_token_bitmask(1, max(vocab_size, width or 0))
         self._shifts = torch.arange(32, dtype=torch.int32)
@@ -199,6 +204,7 @@ class GrammarState:
             start = time.perf_counter()
             llguidance.torch.fill_next_token_bitmask(self.matcher, self._bits)
             bits = ((self._bits[0].unsqueeze(-1) >> self._shifts) & 1).flatten()[: self.vocab_size].bool()
+            self._refuse_specials(bits)
             can_end = self.matcher.is_accepting() or self.matcher.is_stopped()
             if self.eos:
                 bits[self.eos] = can_end
@@ -210,6 +216,16 @@ class GrammarState:
             self.masks += 1
             self.seconds += time.perf_counter() - start
         return self._mask
+
+    def _refuse_specials(self, bits: torch.Tensor) -> None:
+        """Clear the special tokens a mask allows that the matcher would refuse. Where a grammar needs bytes no
+        token makes (a character outside a character-level vocabulary, which has no byte tokens), llguidance's
+        mask and forced tokens offer the unknown-token, which it then refuses to consume."""
+        if self.specials is None or not len(self.specials):
+            return
+        for token in self.specials[bits[self.specials]].tolist():
+            if not self.matcher.validate_tokens([token]):
+                bits[token] = False
 
     def forced(self) -> int | None:
         """The token the grammar forces here (the first of its forced string, as the tokenizer would write it;

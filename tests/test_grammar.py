@@ -100,6 +100,22 @@ def test_adaptive_greedy_and_sampled_outputs_follow_the_schema(tiny):
                 assert tokenizer.decode(result.token_ids).startswith('{"')
 
 
+@pytest.mark.parametrize("method", ["target", "google"])
+def test_a_grammar_the_tokenizer_cannot_write_ends_the_generation(tiny, method):
+    """The character tokenizer has no token for 'é' and no byte tokens: llguidance's mask then offers the
+    unknown-token, which its matcher refuses to consume (the 400 'the grammar cannot take token 0' that
+    schemathesis found). The state clears it: the generation writes what it can, then ends."""
+    decoder, tokenizer, compiler = tiny
+    state = compiler.compile(Constraint.choice(["é!"])).start({tokenizer.eos_token_id})
+    assert state.allowed().nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    prompt = tokenizer.encode("pick:", add_special_tokens=False)
+    for seed in range(3):
+        params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=seed, method=method)
+        result = decoder.generate(prompt, params=params, grammar=compiler.compile(Constraint.choice(["ab", "é"])))
+        assert tokenizer.unk_token_id not in result.token_ids
+        assert tokenizer.decode(result.token_ids, skip_special_tokens=True) in ("", "ab")
+
+
 def test_regex_and_choice_constraints(tiny):
     decoder, tokenizer, compiler = tiny
     prompt = tokenizer.encode("pick:", add_special_tokens=False)

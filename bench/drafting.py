@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from specdec.drafters import HybridDrafter, LookupDrafter, LookupSettings
-from specdec.engine import SpeculativeDecoder
+from specdec.engine import FIRST_TOKEN_ALONE_FROM, SpeculativeDecoder
 from specdec.kv_cache import CachedModel
 
 from .agreement import lookup_predictions
@@ -107,6 +107,9 @@ def simulate(kind: str, prompt_len: int, text: list[int], argmax: list[int], gam
         drafter = lookup if kind == "lookup" else HybridDrafter(draft, lookup, settings) if kind == "hybrid" \
             else GatedHybrid(draft, lookup, settings, text, prompt_len)
     ids, rounds = list(text[:prompt_len]), []
+    if prompt_len >= FIRST_TOKEN_ALONE_FROM:  # the engine's first round: the target's prefill alone
+        ids.append(text[prompt_len])
+        rounds.append((1, 1, 0, 0, "none"))
     while len(ids) < len(text):
         limit = len(text) - len(ids) - 1
         proposal = drafter.propose(ids, gamma, limit, lambda i: None)
@@ -170,14 +173,16 @@ DRAFT_FORWARDS = "decoding's"  # texts whose argmax and confidence came from one
 def draft_outputs(decoder, text: list[int], prompt_len: int) -> dict:
     """The draft's argmax after every position of the text, and its probability (softmax of the logits).
 
-    Computed as decoding computes them: the prompt in one forward, then the generated tokens one by one over the
-    cache. One forward over the whole text is not the same for an int8 draft: its activations are quantized with
+    Computed as decoding computes them: the prompt in one forward (with the first new token, for a prompt whose
+    first token the target draws alone), then the generated tokens one by one over the cache. One forward over the whole text is not the same for an int8 draft: its activations are quantized with
     one scale per forward, which the text's largest activation sets for every row, and on the default pair that
     agreed with the target's greedy text at 45-52% of a chat answer's positions where decoding's forwards agree at
     70-75%."""
     draft = CachedModel(decoder.draft_model)
-    rows = [draft.forward(text[:prompt_len], keep=prompt_len)]
-    rows += [draft.forward([token]) for token in text[prompt_len:]]
+    # the draft's prefill takes the first new token too where the target drew it alone (engine._first_token)
+    first = prompt_len + 1 if prompt_len >= FIRST_TOKEN_ALONE_FROM and len(text) > prompt_len else prompt_len
+    rows = [draft.forward(text[:first], keep=first)]
+    rows += [draft.forward([token]) for token in text[first:]]
     logits = torch.cat(rows)[:, : decoder.vocab_size].float()
     confidence, argmax = logits.softmax(-1).max(-1)
     return {"argmax": argmax.tolist(), "confidence": [round(p, 5) for p in confidence.tolist()],

@@ -186,7 +186,7 @@ def stage_in_process(run: Run, compiled: bool) -> dict:
     decoder = SpeculativeDecoder(draft, target, tokenizer)
     ids = encode_prompt(tokenizer, overhead.PROMPT, False)
     for method in overhead.METHODS:
-        row[method] = overhead.in_process(decoder, ids, method, run.args.tokens, run.args.repeats)
+        row[method] = overhead.repeated(overhead.in_process, run.args.repeats, decoder, ids, method, run.args.tokens)
     return row
 
 
@@ -210,8 +210,8 @@ def stage_service(run: Run, compiled: bool) -> dict:
         rows = {"ready_seconds": time.perf_counter() - started}
         for method in overhead.METHODS:
             for stream in (False, True):
-                rows[f"{method}/{'sse' if stream else 'json'}"] = overhead.through_service(
-                    server, method, run.args.tokens, run.args.repeats, stream)
+                rows[f"{method}/{'sse' if stream else 'json'}"] = overhead.repeated(
+                    overhead.through_service, run.args.repeats, server, method, run.args.tokens, stream)
         return rows
     finally:
         server.stop()

@@ -5,9 +5,10 @@ same models, side by side. Greedy, gamma 4, the model drafter, token verificatio
     python -m bench.overhead                          # the tests' tiny pair (rounds bound by per-operation cost)
     python -m bench.overhead --pair default --tokens 64 --repeats 2   # the default pair (`make models`)
 
-Each configuration loads the pair as the service does (`load_pair`, with `compile` false or true) and decodes
-the same prompt `--repeats` times after one warm-up; the service rows start `python serving.py` with the same
-settings and time `POST /predict` from the client, JSON and SSE. Writes results.json and results.md to --out.
+Each configuration loads the pair as the service does (`load_pair`, with `compile` false or true) and starts
+`python serving.py` with the same settings beside it; then, `--repeats` times after one warm-up, it decodes the
+prompt in-process and times `POST /predict` from the client, JSON and SSE, one after the other (paired, so that
+the machine's drift falls on all alike). Writes results.json and results.md to --out.
 """
 
 import argparse
@@ -33,40 +34,48 @@ PROMPT = "def fibonacci(n):\n    "
 METHODS = ("target", "google")
 
 
-def in_process(decoder: SpeculativeDecoder, ids: list[int], method: str, tokens: int, repeats: int) -> dict:
-    """Median tokens/s of `repeats` runs after a warm-up, and the engine's per-round figures of the last."""
-    params = dict(max_new_tokens=tokens, method=method, gamma=4, temperature=0, seed=0, eos_token_id=[])
-    decoder.generate(ids, **params)
-    runs = [decoder.generate(ids, **params).stats for _ in range(repeats)]
-    last = runs[-1]
-    forwards = last.draft_seconds + last.target_seconds
-    return {"tokens_per_second": statistics.median(s.tokens_per_second for s in runs),
-            "new_tokens": last.new_tokens, "rounds": last.rounds,
-            "ms_per_round": 1e3 * last.total_seconds / last.rounds,
-            "ms_per_round_outside_forwards": 1e3 * (last.total_seconds - forwards) / last.rounds,
-            "acceptance_rate": last.acceptance_rate}
+def in_process(decoder: SpeculativeDecoder, ids: list[int], method: str, tokens: int) -> dict:
+    """One in-process decode: tokens/s and the engine's per-round figures."""
+    stats = decoder.generate(ids, max_new_tokens=tokens, method=method, gamma=4, temperature=0, seed=0,
+                             eos_token_id=[]).stats
+    forwards = stats.draft_seconds + stats.target_seconds
+    return {"tokens_per_second": stats.tokens_per_second, "new_tokens": stats.new_tokens, "rounds": stats.rounds,
+            "ms_per_round": 1e3 * stats.total_seconds / stats.rounds,
+            "ms_per_round_outside_forwards": 1e3 * (stats.total_seconds - forwards) / stats.rounds,
+            "acceptance_rate": stats.acceptance_rate}
 
 
-def through_service(server: Server, method: str, tokens: int, repeats: int, stream: bool) -> dict:
-    """Median tokens/s of `POST /predict` timed from the client (generated tokens over the request's wall time),
-    EOS ignored as in-process."""
+def through_service(server: Server, method: str, tokens: int, stream: bool) -> dict:
+    """One `POST /predict` timed from the client: generated tokens over the request's wall time (EOS ignored, as
+    in-process), and where the rest goes: the engine's own tokens/s inside the service (its stats' total_seconds,
+    from the stream's start to its end) and the request's milliseconds outside it (parsing, encoding, HTTP)."""
     body = {"prompt": PROMPT, "max_new_tokens": tokens, "method": method, "gamma": 4, "temperature": 0,
             "seed": 0, "stream": stream, "ignore_eos": True,
             "cache_prompt": False}  # exactly `tokens`, and the prompt prefilled each time: in-process's work
-    rates = []
-    for i in range(repeats + 1):
-        started = time.perf_counter()
-        response = requests.post(server.url + "/predict", json=body, timeout=600, stream=stream)
-        response.raise_for_status()
-        if stream:
-            events = [line for line in response.iter_lines() if line.startswith(b"data: ")]
-            completion = json.loads(events[-1].removeprefix(b"data: "))["usage"]["completion_tokens"]
-        else:
-            completion = response.json()["usage"]["completion_tokens"]
-        seconds = time.perf_counter() - started
-        if i:  # the first is a warm-up
-            rates.append(completion / seconds)
-    return {"tokens_per_second": statistics.median(rates)}
+    started = time.perf_counter()
+    response = requests.post(server.url + "/predict", json=body, timeout=600, stream=stream)
+    response.raise_for_status()
+    if stream:
+        events = [line for line in response.iter_lines() if line.startswith(b"data: ")]
+        answer = json.loads(events[-1].removeprefix(b"data: "))
+    else:
+        answer = response.json()
+    seconds = time.perf_counter() - started
+    completion, engine_seconds = answer["usage"]["completion_tokens"], answer["stats"]["total_seconds"]
+    return {"tokens_per_second": completion / seconds, "engine_tokens_per_second": completion / engine_seconds,
+            "ms_outside_engine": 1e3 * (seconds - engine_seconds)}
+
+
+def medians(runs: list[dict]) -> dict:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]
+            if isinstance(runs[0][key], (int, float)) and runs[0][key] is not None}
+
+
+def repeated(measure_once, repeats: int, *args) -> dict:
+    """The medians of `repeats` runs of measure_once(*args) after a warm-up (bench/gpu.py's stages, one kind at a
+    time)."""
+    measure_once(*args)
+    return medians([measure_once(*args) for _ in range(repeats)])
 
 
 def hugging_face(draft_dir: str, target_dir: str, ids: list[int], tokens: int, repeats: int,
@@ -89,6 +98,9 @@ def hugging_face(draft_dir: str, target_dir: str, ids: list[int], tokens: int, r
 
 
 def measure(args, draft_dir: str, target_dir: str, folder: Path) -> dict:
+    """Per path: the in-process decoder and the service loaded side by side, and their runs interleaved (in-process,
+    JSON, SSE, for each method, `repeats` times after a warm-up), so that a drift in the machine's speed falls on
+    all three alike; each service row's ratio is the median of its paired ratios to the in-process run beside it."""
     results = {}
     for name in args.paths:
         compiled = name == "compiled"
@@ -96,24 +108,31 @@ def measure(args, draft_dir: str, target_dir: str, folder: Path) -> dict:
                                              draft_quantization=args.draft_quantization)
         decoder = SpeculativeDecoder(draft, target, tokenizer)
         ids = encode_prompt(tokenizer, PROMPT, False)
-        for method in METHODS:
-            results[f"{name}/{method}/in-process"] = in_process(decoder, ids, method, args.tokens, args.repeats)
-        del decoder, draft, target
-        if args.no_service:
-            continue
-        threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
-        server = Server(folder / f"{name}.log", env=threads, draft_model=draft_dir, target_model=target_dir,
-                        device=args.device, compile=str(compiled).lower(), draft_quantization=args.draft_quantization,
-                        max_new_tokens_limit=max(args.tokens, 1024)).wait_ready(timeout=1200)
+        server = None
+        if not args.no_service:
+            threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
+            server = Server(folder / f"{name}.log", env=threads, draft_model=draft_dir, target_model=target_dir,
+                            device=args.device, compile=str(compiled).lower(),
+                            draft_quantization=args.draft_quantization,
+                            max_new_tokens_limit=max(args.tokens, 1024)).wait_ready(timeout=1200)
         try:
-            for method in METHODS:
-                for stream in (False, True):
-                    row = through_service(server, method, args.tokens, args.repeats, stream)
-                    row["vs_in_process"] = row["tokens_per_second"] / \
-                        results[f"{name}/{method}/in-process"]["tokens_per_second"]
-                    results[f"{name}/{method}/service-{'sse' if stream else 'json'}"] = row
+            runs: dict[str, list[dict]] = {}
+            for repeat in range(args.repeats + 1):  # the first is a warm-up
+                for method in METHODS:
+                    row = {"in-process": in_process(decoder, ids, method, args.tokens)}
+                    if server is not None:
+                        for stream in (False, True):
+                            row[f"service-{'sse' if stream else 'json'}"] = run = \
+                                through_service(server, method, args.tokens, stream)
+                            run["vs_in_process"] = run["tokens_per_second"] / row["in-process"]["tokens_per_second"]
+                    if repeat:
+                        for kind, run in row.items():
+                            runs.setdefault(f"{name}/{method}/{kind}", []).append(run)
+            results.update({key: medians(rows) for key, rows in runs.items()})
         finally:
-            server.stop()
+            if server is not None:
+                server.stop()
+        del decoder, draft, target
     results.update(hugging_face(draft_dir, target_dir, ids, args.tokens, args.repeats, args.device))
     return results
 
@@ -126,12 +145,17 @@ def markdown(report: dict) -> str:
 
     def service(key):
         row = rows.get(key)
-        return "-" if row is None else f"{row['tokens_per_second']:.0f} ({row['vs_in_process']:.2f}x)"
+        if row is None:
+            return "-"
+        engine = row.get("engine_tokens_per_second")  # older reports lack the split
+        split = "" if engine is None else f"; engine {engine:.0f}, +{row['ms_outside_engine']:.1f} ms"
+        return f"{row['tokens_per_second']:.0f} ({row['vs_in_process']:.2f}x{split})"
 
     lines = [f"`{report['command']}` ({report['date']}, {report['machine'].get('cpu')}, "
              f"{report['pair']} pair, {report['tokens']} new tokens, greedy, gamma 4)", "",
              "| path | method | tokens/s in-process | vs HF generate | vs HF assisted | ms per round "
-             "(outside forwards) | service JSON (vs in-process) | service SSE |", "|---|---|---|---|---|---|---|---|"]
+             "(outside forwards) | service JSON (vs in-process; engine's own tokens/s in the service, ms per request "
+             "outside it) | service SSE |", "|---|---|---|---|---|---|---|---|"]
     for path in ("eager", "compiled"):
         for method in METHODS:
             row = rows.get(f"{path}/{method}/in-process")

@@ -311,11 +311,15 @@ class Stream(Generator):
         return req.stats(finished=req.finish_reason is not None)
 
 
+# prompts this long or longer: the first token comes from the target's prefill alone (`_first_token`)
+FIRST_TOKEN_ALONE_FROM = 32
+
+
 class SpeculativeDecoder:
     """Exact speculative decoding for a draft/target pair of Hugging Face causal LMs sharing a vocabulary."""
 
     def __init__(self, draft_model, target_model, tokenizer=None, lookup: LookupSettings = LookupSettings(),
-                 prompt_cache_bytes: int = 0):
+                 prompt_cache_bytes: int = 0, first_token_alone_from: int = FIRST_TOKEN_ALONE_FROM):
         self.draft_model = draft_model.eval()
         self.target_model = target_model.eval()
         self.vocab_size = check_vocabularies(draft_model, target_model, tokenizer)
@@ -329,6 +333,9 @@ class SpeculativeDecoder:
         # called as round_observer(draft_tokens, draft_probs, target_probs) with every block before it is
         # verified (target_probs: the k rows p_1..p_k); the benchmark compares the rules on the same blocks
         self.round_observer = None
+        # speculative decoding of a prompt this long or longer draws its first token from the target's prefill
+        # alone, before the draft model prefills (`_first_token`)
+        self.first_token_alone_from = first_token_alone_from
 
     def generate(self, input_ids, max_new_tokens: int = 64, method: str = "google", gamma: int | None = 4,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
@@ -492,6 +499,9 @@ class SpeculativeDecoder:
         generator = req.generator
         adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile) \
             if req.params.gamma is None else None
+        if req.prompt_len >= self.first_token_alone_from and \
+                (yield from self._first_token(req, drafter, target, probs, generator)) == "stop":
+            req.finish_reason = "stop"
         while req.finish_reason is None:
             limit = req.budget() - 1  # never propose past max_new_tokens or the context
             before = dict(req.seconds), dict(req.forwards)
@@ -536,6 +546,10 @@ class SpeculativeDecoder:
         drafter, target = self._drafter(req, probs), req.cache_for("target", self.target_model)
         adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile, bonus=False)
         per_position = req.params.verification == "token"
+        first = position_generator(req.seed, len(req.ids)) if per_position else req.generator
+        if req.prompt_len >= self.first_token_alone_from and \
+                (yield from self._first_token(req, drafter, target, probs, first)) == "stop":
+            req.finish_reason = "stop"
         while req.finish_reason is None:
             start = len(req.ids)
             budget = req.budget()
@@ -571,6 +585,25 @@ class SpeculativeDecoder:
                 adaptive.update(k - 1, min(accepted, k - 1))
             if (yield self._end_round(req, drafter, target, chunk, proposal, accepted, max(k, 1), before)) == "stop":
                 req.finish_reason = "stop"
+
+    def _first_token(self, req: _Request, drafter, target: CachedModel, probs: "_Warper",
+                     generator: torch.Generator):
+        """The first round of speculative decoding for a prompt of `first_token_alone_from` tokens or more: the
+        target's prefill alone, and the first token drawn from it, as target-only decoding draws it; what the
+        round's `yield` got back ("stop" ends decoding).
+
+        The first token is then out after one prefill, not two: the draft model prefills (the prompt and this
+        token) in the next round, while the client already has it; the time to first token loses the draft's
+        prefill and its first proposals. No forward is added: in a speculative first round the target's prefill
+        goes alone anyway (`_score`), and its row verifies only the first proposal. Shorter prompts, whose
+        prefills cost little, keep the speculative first round (and the statistical tests, whose continuations
+        of short prompts are 3 tokens long, test both orders)."""
+        before = dict(req.seconds), dict(req.forwards)
+        proposal = Proposal()
+        logits = self._score(req, target, [])
+        p = probs(logits, self._masks(req, proposal, 1))
+        chunk = req.commit([sample(p[0], generator)], self._sources(proposal, 0, 0), logits)
+        return (yield self._end_round(req, drafter, target, chunk, proposal, 0, 1, before))
 
     @staticmethod
     def _score(req: _Request, target: CachedModel, extra: list[int]) -> torch.Tensor:
@@ -613,10 +646,11 @@ class SpeculativeDecoder:
         # the newest committed token is fed next round
         target.rollback(len(req.ids) - 1)
         drafter.rollback(len(req.ids) - 1)
-        # every round's costs feed the profile, except the first: its forwards include both prompt prefills
-        # and say nothing about per-token cost
+        # every round's costs feed the profile, except those with a prompt prefill (the target's is the first
+        # round, the draft model's the second): they say nothing about per-token cost
+        warm = all(before[1][role] > 0 or req.forwards[role] == before[1][role] for role in ("draft", "target"))
         spent = {role: (req.seconds[role] - before[0][role], req.forwards[role] - before[1][role])
-                 if req.rounds > 1 else (0.0, 0) for role in ("draft", "target")}
+                 if warm else (0.0, 0) for role in ("draft", "target")}
         self.cost_profile.record(*spent["draft"], *spent["target"], width=width)
         logger.debug("round %d: drafter=%s proposed=%d accepted=%d committed=%d", req.rounds, proposal.drafter,
                      len(proposal), accepted, len(chunk.token_ids))

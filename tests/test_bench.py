@@ -592,9 +592,9 @@ def test_drafting_replay_gives_the_engines_greedy_rounds_with_an_int8_draft():
                                            with_kwargs=True)
     outputs = drafting.draft_outputs(decoder, text, len(prompt))
     hook.remove()
-    assert widths == [len(prompt)] + [1] * len(result.token_ids)
+    assert widths == [len(prompt) + 1] + [1] * (len(result.token_ids) - 1)  # the first token drawn alone
     replayed = drafting.simulate("model", len(prompt), text, outputs["argmax"], 4, LookupSettings())["rounds"]
-    assert [r[3] for r in replayed] == accepted
+    assert [r[3] for r in replayed] == accepted and replayed[0] == (1, 1, 0, 0, "none")
     assert 0 < sum(accepted) < 4 * len(accepted)  # some proposals accepted, some rejected
 
 

@@ -61,6 +61,41 @@ def test_greedy_equals_target_greedy_for_every_drafter_and_rule(arch):
     assert accepted["lookup"] > 0 and accepted["model"] > 0  # both drafters had proposals accepted
 
 
+LONG_PROMPT = [(7 * i + 3) % 59 + 5 for i in range(40)]  # past FIRST_TOKEN_ALONE_FROM
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_first_token_from_the_prefill_alone_keeps_greedy_equivalence(arch):
+    """A prompt of 32 tokens or more: the first round is the target's prefill alone (one token, one target
+    forward, no draft forward), then speculation; greedy output is target-only's for every method, drafter,
+    rule and gamma, and the cost profile is fed by neither prefill's round."""
+    target = make_model(arch, seed=0, initializer_range=0.1)
+    decoder = SpeculativeDecoder(perturbed_copy(target, noise=0.3), target)
+    reference = decoder.generate(LONG_PROMPT, max_new_tokens=24, method="target", temperature=0).token_ids
+    accepted = 0
+    for method in ("google", "deepmind"):
+        for drafter in DRAFTERS:
+            for verification in VERIFICATIONS:
+                for gamma in (2, None):
+                    stream = decoder.stream(LONG_PROMPT, max_new_tokens=24, method=method, gamma=gamma,
+                                            temperature=0, drafter=drafter, verification=verification)
+                    seen = decoder.cost_profile.draft[1], decoder.cost_profile.target[1]
+                    first = next(stream)
+                    assert len(first.token_ids) == 1 and first.sources == ["bonus"]
+                    assert stream.stats().draft_forwards == 0 and stream.stats().target_forwards == 1
+                    second = next(stream)
+                    if stream.stats().draft_forwards:  # the draft model's prefill round: no per-token cost either
+                        assert (decoder.cost_profile.draft[1], decoder.cost_profile.target[1]) == seen
+                    tokens = first.token_ids + second.token_ids + [t for chunk in stream for t in chunk.token_ids]
+                    assert tokens == reference, (method, drafter, verification, gamma)
+                    full = decoder.generate(LONG_PROMPT, max_new_tokens=24, method=method, gamma=gamma,
+                                            temperature=0, drafter=drafter, verification=verification)
+                    assert full.token_ids == reference
+                    assert full.stats.target_forwards == full.stats.rounds  # the prefill is the first round
+                    accepted += full.stats.accepted
+    assert accepted > 0
+
+
 def test_target_greedy_equals_hf_generate(pair):
     _, target = pair
     decoder = SpeculativeDecoder(*pair)

@@ -365,6 +365,44 @@ def test_wrong_rule_fails_the_test_for_every_drafter(close_pair, monkeypatch, dr
                            DRAFTER_SAMPLES) < 1e-6
 
 
+FIRST_ALONE = [("model", "token", "google", "t0.7", 2), ("model", "block", "deepmind", "topk3", 2),
+               ("lookup", "token", "deepmind", "t1.5", 2), ("hybrid", "block", "google", "topp0.8", 2),
+               ("model", "token", "google", "t0.8-topk5-topp0.9", None), ("hybrid", "block", "google", "t1", None)]
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("drafter, rule, variant, setting, gamma", FIRST_ALONE)
+def test_first_token_from_the_targets_prefill_alone_follows_target_distribution(close_pair, monkeypatch, drafter,
+                                                                                rule, variant, setting, gamma):
+    """Prompts of `first_token_alone_from` tokens or more (32 by default) draw their first token from the
+    target's prefill alone, then speculate: with the threshold at 0, the 3-token continuations (1 from the
+    prefill, 2 speculated) pass the same test, for each drafter, rule and variant, fixed and adaptive gamma
+    (random lengths). Every run's first round is the target's alone (counted)."""
+    draft, target = close_pair
+    prompt, totals = prompt_for(drafter), {}
+    if gamma is None:
+        lengths = random.Random(5)
+        monkeypatch.setattr("specdec.engine.AdaptiveGamma.choose", lambda self: lengths.randint(0, 2))
+    counts = draw(SpeculativeDecoder(draft, target, first_token_alone_from=0), variant, SETTINGS[setting],
+                  DRAFTER_SAMPLES, gamma=gamma, seed=23, prompt=prompt, totals=totals, drafter=drafter,
+                  verification=rule)
+    assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS[setting], prompt=prompt),
+                           DRAFTER_SAMPLES) > 1e-3
+    assert totals[("rounds_by_drafter", "none")] >= DRAFTER_SAMPLES  # the first round of every run
+    accepted = sum(n for (kind, _), n in totals.items() if kind == "accepted_by_drafter")
+    assert accepted > 0.1 * DRAFTER_SAMPLES  # and the drafters' proposals were accepted after it
+
+
+@pytest.mark.statistical
+def test_wrong_rule_fails_the_test_with_the_first_token_alone(close_pair, monkeypatch):
+    """The plain residual fails the same test after a first token from the prefill alone: it has power."""
+    draft, target = close_pair
+    monkeypatch.setattr("specdec.verification.residual_probs", plain_p)
+    counts = draw(SpeculativeDecoder(draft, target, first_token_alone_from=0), "google", SETTINGS["t1"],
+                  DRAFTER_SAMPLES, seed=23)
+    assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), DRAFTER_SAMPLES) < 1e-4
+
+
 @pytest.mark.statistical
 def test_block_verification_stopping_at_the_weight_fails_the_test(close_pair, monkeypatch):
     """A deliberately wrong block verification: the backward scan stops at prefix i with probability w_i

@@ -174,13 +174,14 @@ def draft_outputs(decoder, text: list[int], prompt_len: int) -> dict:
     """The draft's argmax after every position of the text, and its probability (softmax of the logits).
 
     Computed as decoding computes them: the prompt in one forward (with the first new token, for a prompt whose
-    first token the target draws alone), then the generated tokens one by one over the cache. One forward over the whole text is not the same for an int8 draft: its activations are quantized with
-    one scale per forward, which the text's largest activation sets for every row, and on the default pair that
-    agreed with the target's greedy text at 45-52% of a chat answer's positions where decoding's forwards agree at
-    70-75%."""
+    first token the target draws alone), then the generated tokens one by one over the cache. One forward over
+    the whole text is not the same for an int8 draft: its activations are quantized with one scale per forward,
+    which the text's largest activation sets for every row, and on the default pair that agreed with the target's
+    greedy text at 45-52% of a chat answer's positions where decoding's forwards agree at 70-75%."""
     draft = CachedModel(decoder.draft_model)
     # the draft's prefill takes the first new token too where the target drew it alone (engine._first_token)
-    first = prompt_len + 1 if prompt_len >= FIRST_TOKEN_ALONE_FROM and len(text) > prompt_len else prompt_len
+    alone = prompt_len >= decoder.first_token_alone_from and len(text) > prompt_len
+    first = prompt_len + 1 if alone else prompt_len
     rows = [draft.forward(text[:first], keep=first)]
     rows += [draft.forward([token]) for token in text[first:]]
     logits = torch.cat(rows)[:, : decoder.vocab_size].float()

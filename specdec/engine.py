@@ -499,8 +499,7 @@ class SpeculativeDecoder:
         generator = req.generator
         adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile) \
             if req.params.gamma is None else None
-        if req.prompt_len >= self.first_token_alone_from and \
-                (yield from self._first_token(req, drafter, target, probs, generator)) == "stop":
+        if (yield from self._first_token(req, drafter, target, probs, generator)) == "stop":
             req.finish_reason = "stop"
         while req.finish_reason is None:
             limit = req.budget() - 1  # never propose past max_new_tokens or the context
@@ -547,8 +546,7 @@ class SpeculativeDecoder:
         adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile, bonus=False)
         per_position = req.params.verification == "token"
         first = position_generator(req.seed, len(req.ids)) if per_position else req.generator
-        if req.prompt_len >= self.first_token_alone_from and \
-                (yield from self._first_token(req, drafter, target, probs, first)) == "stop":
+        if (yield from self._first_token(req, drafter, target, probs, first)) == "stop":
             req.finish_reason = "stop"
         while req.finish_reason is None:
             start = len(req.ids)
@@ -590,7 +588,7 @@ class SpeculativeDecoder:
                      generator: torch.Generator):
         """The first round of speculative decoding for a prompt of `first_token_alone_from` tokens or more: the
         target's prefill alone, and the first token drawn from it, as target-only decoding draws it; what the
-        round's `yield` got back ("stop" ends decoding).
+        round's `yield` got back ("stop" ends decoding); for a shorter prompt nothing (no round).
 
         The first token is then out after one prefill, not two: the draft model prefills (the prompt and this
         token) in the next round, while the client already has it; the time to first token loses the draft's
@@ -598,6 +596,8 @@ class SpeculativeDecoder:
         goes alone anyway (`_score`), and its row verifies only the first proposal. Shorter prompts, whose
         prefills cost little, keep the speculative first round (and the statistical tests, whose continuations
         of short prompts are 3 tokens long, test both orders)."""
+        if req.prompt_len < self.first_token_alone_from:
+            return None
         before = dict(req.seconds), dict(req.forwards)
         proposal = Proposal()
         logits = self._score(req, target, [])

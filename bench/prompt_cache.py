@@ -3,6 +3,9 @@ decoded with the cache (`cache_prompt` true) and without it (false), turn by tur
 
 - chat: conversations of several turns; each turn sends the whole conversation again, through the target's chat
   template, its user message a piece of this repository's own code with a question about it;
+- document: conversations about one long document (a source file, --document-tokens, in the first user message),
+  each later turn a short question about it: chat with a file, or a long system prompt, where each turn brings few
+  new tokens;
 - agent: a conversation that grows by the model's step (a tool call, as plain text) and a tool result (a file's
   text, as a `tool` message) each step;
 - editor: one source file, a completion asked at successive points down the file (fill-in-the-middle where the
@@ -13,7 +16,8 @@ Greedy, the model drafter, gamma 4, answers of at most --max-new-tokens. Reports
 (the first round: the prefill and the first proposals) and whole-request time, with and without the cache, their
 ratios pooled over the requests with --min-history tokens of history or more and a 90% bootstrap interval over
 conversations (steps, for the agent and the editor); the share of prompt tokens the cache served; the memory it
-held; requests that found nothing to reuse, against the same without the cache; whether each greedy answer was the
+held; the share of the warm requests' prompt tokens that were not cached (what a prefill linear in its tokens
+would make the first-token ratio); requests that found nothing to reuse, against the same without the cache; whether each greedy answer was the
 same both ways; and, for the chat template, how much of the last turn's prompt and answer the next prompt repeats
 token for token.
 
@@ -40,6 +44,8 @@ from specdec.text import encode_messages
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ["specdec/drafters.py", "specdec/verification.py", "specdec/kv_cache.py", "specdec/sampling.py",
            "specdec/adaptive.py", "specdec/params.py", "specdec/compiled.py", "specdec/stats.py"]
+DOCUMENTS = ["specdec/drafters.py", "specdec/verification.py", "specdec/prompt_cache.py", "specdec/grammar.py"]  # 2,000+
+# tokens each: a document conversation reaches its --document-tokens
 QUESTIONS = ["What does this code do, in two sentences?", "Is there a bug here? Answer briefly.",
              "Which function would you test first, and how?", "Suggest one better name, and say why.",
              "What could be simpler? One suggestion.", "Summarise the invariant it keeps."]
@@ -47,6 +53,8 @@ AGENT_SYSTEM = ("You are a coding agent. Tools: read_file(path) returns a file's
                 "lines that contain it; finish(answer) ends the task. Answer each step with one tool call as "
                 "`tool(argument)`, then one line saying why.")
 FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+CONVERSATIONS = ("chat", "document")  # the workloads of several conversations (bootstrapped over conversations)
+WORKLOADS = (*CONVERSATIONS, "agent", "editor")
 
 
 def snippet(path: str, tokenizer, tokens: int, start_line: int = 0) -> str:
@@ -69,6 +77,19 @@ def chat_workloads(tokenizer, conversations: int, turns: int, snippet_tokens: in
             path = SOURCES[(c * turns + t) % len(SOURCES)]
             code = snippet(path, tokenizer, snippet_tokens, start_line=20 * c)
             messages.append({"role": "user", "content": f"From {path}:\n```python\n{code}```\n{QUESTIONS[t % 6]}"})
+        workloads.append(messages)
+    return workloads
+
+
+def document_workloads(tokenizer, conversations: int, turns: int, document_tokens: int) -> list[list[dict]]:
+    """Per conversation, its user messages: a whole source file and a question, then short questions about it."""
+    workloads = []
+    for c in range(conversations):
+        path = DOCUMENTS[c % len(DOCUMENTS)]
+        document = snippet(path, tokenizer, document_tokens)
+        messages = [{"role": "system", "content": f"You answer questions about one file (session {c + 1})."},
+                    {"role": "user", "content": f"{path}:\n```python\n{document}```\n{QUESTIONS[c % 6]}"}]
+        messages += [{"role": "user", "content": QUESTIONS[(c + t) % 6]} for t in range(1, turns)]
         workloads.append(messages)
     return workloads
 
@@ -128,7 +149,7 @@ def run_workloads(decoder, tokenizer, args) -> dict:
     """Every workload, the cache on and off interleaved request by request (which goes first alternates)."""
     params = SamplingParams(max_new_tokens=args.max_new_tokens, method="google", gamma=4, temperature=0, seed=0)
     eos = eos_token_ids(decoder.target_model, tokenizer)
-    sides = {workload: {True: Side(True), False: Side(False)} for workload in ("chat", "agent", "editor")}
+    sides = {workload: {True: Side(True), False: Side(False)} for workload in args.workloads}
     order = 0
 
     def both(workload, ids_of, unit, step):
@@ -139,17 +160,31 @@ def run_workloads(decoder, tokenizer, args) -> dict:
         order += 1
         return answers
 
-    for c, messages in enumerate(chat_workloads(tokenizer, args.conversations, args.turns, args.snippet_tokens)):
-        history = {True: messages[:1], False: messages[:1]}
-        for side in sides["chat"].values():
-            side.previous = None
-        for t, user in enumerate(messages[1:]):
-            for cache in (True, False):
-                history[cache] = history[cache] + [user]
-            answers = both("chat", lambda cache: encode_messages(tokenizer, history[cache]), f"chat{c + 1}", t + 1)
-            for cache in (True, False):
-                history[cache] = history[cache] + [{"role": "assistant",
-                                                    "content": text_of(tokenizer, answers[cache], eos)}]
+    conversations = {"chat": lambda: chat_workloads(tokenizer, args.conversations, args.turns, args.snippet_tokens),
+                     "document": lambda: document_workloads(tokenizer, args.conversations, args.turns,
+                                                            args.document_tokens)}
+    for workload in [w for w in args.workloads if w in conversations]:
+        for c, messages in enumerate(conversations[workload]()):
+            history = {True: messages[:1], False: messages[:1]}
+            for side in sides[workload].values():
+                side.previous = None
+            for t, user in enumerate(messages[1:]):
+                for cache in (True, False):
+                    history[cache] = history[cache] + [user]
+                answers = both(workload, lambda cache: encode_messages(tokenizer, history[cache]),
+                               f"{workload}{c + 1}", t + 1)
+                for cache in (True, False):
+                    history[cache] = history[cache] + [{"role": "assistant",
+                                                        "content": text_of(tokenizer, answers[cache], eos)}]
+    if "agent" in args.workloads:
+        agent(tokenizer, args, both, eos)
+    if "editor" in args.workloads:
+        editor(tokenizer, args, both, eos)
+    return {workload: {("on" if cache else "off"): side.requests for cache, side in pair.items()}
+            for workload, pair in sides.items()}
+
+
+def agent(tokenizer, args, both, eos) -> None:
     results = agent_results(tokenizer, args.steps, args.result_tokens)
     history = {cache: [{"role": "system", "content": AGENT_SYSTEM},
                        {"role": "user", "content": "Find where the engine rolls its caches back, and explain it."}]
@@ -159,6 +194,9 @@ def run_workloads(decoder, tokenizer, args) -> dict:
         for cache in (True, False):
             history[cache] = history[cache] + [{"role": "assistant", "content": text_of(tokenizer, answers[cache], eos)},
                                                {"role": "tool", "content": results[s]}]
+
+
+def editor(tokenizer, args, both, eos) -> None:
     text, cursors, prompt = editor_prompts(tokenizer, args.file_tokens, args.points)
     files = {True: text, False: text}
     shift = {True: 0, False: 0}
@@ -169,8 +207,6 @@ def run_workloads(decoder, tokenizer, args) -> dict:
             at = cursor + shift[cache]
             files[cache] = files[cache][:at] + typed + files[cache][at:]
             shift[cache] += len(typed)
-    return {workload: {("on" if cache else "off"): side.requests for cache, side in pair.items()}
-            for workload, pair in sides.items()}
 
 
 def _ratio(pairs: list[tuple[dict, dict]], key: str) -> float | None:
@@ -186,7 +222,7 @@ def summarise(runs: dict, min_history: int) -> dict:
         cold = [(on, off) for on, off in pairs if on["step"] == 1]
         units: dict[str, list] = {}
         for pair in warm:
-            units.setdefault(pair[0]["unit"] if workload == "chat" else pair[0]["step"], []).append(pair)
+            units.setdefault(pair[0]["unit"] if workload in CONVERSATIONS else pair[0]["step"], []).append(pair)
         by_unit = list(units.values())
         repeatable = [on for on in sides["on"] if on["history_tokens"]]
         summary[workload] = {
@@ -195,6 +231,9 @@ def summarise(runs: dict, min_history: int) -> dict:
             "cached_tokens": sum(on["cached_tokens"] for on, _ in pairs),
             "cached_share": sum(on["cached_tokens"] for on, _ in pairs) / sum(on["prompt_tokens"] for on, _ in pairs),
             "first_token_ratio": _ratio(warm, "first_token_seconds"),
+            # what a prefill linear in its tokens would make that ratio: the warm prompts' share not cached
+            "uncached_share": (sum(on["prompt_tokens"] - on["cached_tokens"] for on, _ in warm)
+                               / sum(on["prompt_tokens"] for on, _ in warm)) if warm else None,
             "first_token_interval": bootstrap_interval(by_unit, lambda p: _ratio(p, "first_token_seconds"))
             if by_unit else None,
             "speedup": (1 / _ratio(warm, "seconds")) if warm else None,
@@ -221,11 +260,12 @@ def markdown(report: dict) -> str:
     lines = [f"# Prompt cache: {report['pair']} pair, {report['date']}", "",
              f"`{report['command']}` on {report['machine'].get('cpu', '?')}; greedy, model drafter, gamma 4, at most "
              f"{a['max_new_tokens']} new tokens. Ratios pool the requests with at least {a['min_history']} tokens of "
-             "history (after the first turn); intervals are 90% bootstrap over conversations (chat) or steps.", "",
+             "history (after the first turn); intervals are 90% bootstrap over conversations (chat, document) or steps.", "",
              "| workload | requests | prompt tokens | served from cache | first token, on/off | interval | "
+             "warm prompts not cached | "
              "whole request speedup | interval | nothing to reuse, on/off | same greedy answers | cache held (max) "
              "| template repeats |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, s in report["summary"].items():
         def f(x, spec=".2f"):
             return "-" if x is None else format(x, spec)
@@ -236,7 +276,7 @@ def markdown(report: dict) -> str:
         template = (f"{s['template_repeated']}/{s['template_history']}" if s["template_history"] else "-")
         lines.append(f"| {name} | {s['requests']} ({s['warm_requests']} warm) | {s['prompt_tokens']} | "
                      f"{s['cached_share']:.1%} | {f(s['first_token_ratio'], '.3f')}x | "
-                     f"{interval(s['first_token_interval'])} | {f(s['speedup'])}x | {interval(s['speedup_interval'])} | "
+                     f"{interval(s['first_token_interval'])} | {f(s['uncached_share'], '.3f')} | {f(s['speedup'])}x | {interval(s['speedup_interval'])} | "
                      f"{f(s['cold_ratio'])}x | {s['same_answers']}/{s['requests']} | "
                      f"{s['max_cache_bytes'] / 1e6:.0f} MB in {s['max_cache_entries']} | {template} |")
     lines += ["", "Per request (seconds: first token on / off, whole request on / off):", "",
@@ -251,6 +291,10 @@ def markdown(report: dict) -> str:
     lines += ["", "Resident memory (GB): before loading {}, loaded {}, after the workloads {}; the budget {}.".format(
         *(f"{memory[k] / 1e9:.2f}" if memory[k] is not None else "?" for k in
           ("before_loading", "loaded", "after", "budget")))]
+    if memory["loaded"] is not None and memory["after"] is not None:
+        over = memory["after"] - memory["loaded"] - memory["budget"]
+        lines[-1] += (f" After the workloads, {-over / 1e9:.2f} GB under the loaded figure plus the budget." if over <= 0
+                      else f" After the workloads, {over / 1e9:.2f} GB OVER the loaded figure plus the budget.")
     return "\n".join(lines) + "\n"
 
 
@@ -260,6 +304,14 @@ def resident_bytes() -> int | None:
     return resident_memory_bytes()
 
 
+def workload_list(text: str) -> list[str]:
+    names = text.split(",")
+    unknown = [name for name in names if name not in WORKLOADS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown workload {', '.join(unknown)}: of {', '.join(WORKLOADS)}")
+    return names
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny pair (a check that it runs)")
@@ -267,11 +319,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--conversations", type=int, default=4)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--snippet-tokens", type=int, default=220, help="code tokens in each chat turn")
+    parser.add_argument("--document-tokens", type=int, default=1200, help="the document workload's file")
     parser.add_argument("--steps", type=int, default=6, help="agent steps")
     parser.add_argument("--result-tokens", type=int, default=180, help="tokens of each tool result")
     parser.add_argument("--file-tokens", type=int, default=1500, help="the editor's file")
     parser.add_argument("--points", type=int, default=5, help="the editor's completion points")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--workloads", type=workload_list, default=list(WORKLOADS),
+                        help=f"comma-separated, of {','.join(WORKLOADS)} (default: all)")
     parser.add_argument("--min-history", type=int, default=1000)
     parser.add_argument("--budget", type=int, default=None, help="prompt cache bytes (default: as the service)")
     parser.add_argument("--threads", type=int, default=None)

@@ -21,6 +21,7 @@ from .drafters import SOURCES, GuidedDrafter, HybridDrafter, LookupDrafter, Look
 from .errors import SpecDecError
 from .grammar import CompiledGrammar, GrammarState
 from .kv_cache import CachedModel, context_length
+from .models.memory import release_free_memory
 from .params import (
     ADAPTIVE_MAX_GAMMA,
     DRAFTERS,
@@ -444,6 +445,9 @@ class SpeculativeDecoder:
         for cache in caches.values():
             crop_cache(cache, kept)
         self.prompt_cache.put(req.ids[:kept], caches)
+        # the entries it evicted and the request's own transients were freed into the C heap, which keeps their
+        # pages resident: handed back, resident memory follows what the cache holds (2-12 ms on the default pair)
+        release_free_memory()
 
     def _prompt(self, input_ids) -> list[int]:
         if isinstance(input_ids, torch.Tensor):

@@ -633,16 +633,17 @@ def test_benchmark_draft_beside_a_bfloat16_target_is_int8_as_load_pair_gives_it(
 
 
 def test_prompt_cache_workloads_run_end_to_end_on_the_tiny_pair(tmp_path):
-    """bench/prompt_cache.py: chat, agent and editor, the cache on and off side by side; the cache serves a growing
-    share of each conversation, greedy answers are the same both ways, and the report is written."""
+    """bench/prompt_cache.py: chat, document chat, agent and editor, the cache on and off side by side; the cache
+    serves a growing share of each conversation, greedy answers are the same both ways, and the report is written."""
     from bench import prompt_cache
 
     out = tmp_path / "prompt-cache"
     report = prompt_cache.main(["--tiny", "--out", str(out), "--conversations", "2", "--turns", "3", "--steps", "3",
                                 "--points", "3", "--snippet-tokens", "60", "--result-tokens", "60",
-                                "--file-tokens", "400", "--min-history", "200", "--max-new-tokens", "8"])
+                                "--file-tokens", "400", "--document-tokens", "300", "--min-history", "200",
+                                "--max-new-tokens", "8"])
     summary = report["summary"]
-    assert set(summary) == {"chat", "agent", "editor"}
+    assert set(summary) == {"chat", "document", "agent", "editor"}
     for name, figures in summary.items():
         assert figures["same_answers"] == figures["requests"], name
         assert 0 < figures["cached_share"] < 1 and 0 < figures["max_cache_bytes"] <= report["budget"], name
@@ -652,5 +653,19 @@ def test_prompt_cache_workloads_run_end_to_end_on_the_tiny_pair(tmp_path):
     assert all(r["cached_tokens"] == r["history_tokens"] - 1 for r in chat[1:])  # the whole last turn, but its
     # newest token (the character tokenizer re-renders every answer token for token)
     assert summary["chat"]["template_repeated"] == summary["chat"]["template_history"]
+    # a document chat's later turns bring a short question: most of each warm prompt is served from the cache
+    document = summary["document"]
+    assert document["warm_requests"] == 4 and document["uncached_share"] < 0.2 < summary["chat"]["uncached_share"]
     assert (out / "results.md").read_text().startswith("# Prompt cache: tiny pair")
     assert json.loads((out / "results.json").read_text())["runs"]["editor"]["on"][1]["cached_tokens"] > 0
+
+
+def test_prompt_cache_runs_the_workloads_asked_and_refuses_an_unknown_one(tmp_path, capsys):
+    from bench import prompt_cache
+
+    report = prompt_cache.main(["--tiny", "--out", str(tmp_path), "--workloads", "document", "--conversations", "1",
+                                "--turns", "2", "--document-tokens", "100", "--max-new-tokens", "4"])
+    assert set(report["summary"]) == {"document"} and report["summary"]["document"]["requests"] == 2
+    with pytest.raises(SystemExit):
+        prompt_cache.main(["--tiny", "--workloads", "chat,novel"])
+    assert "unknown workload novel" in capsys.readouterr().err

@@ -17,9 +17,9 @@ Greedy, the model drafter, gamma 4, answers of at most --max-new-tokens. Reports
 ratios pooled over the requests with --min-history tokens of history or more and a 90% bootstrap interval over
 conversations (steps, for the agent and the editor); the share of prompt tokens the cache served; the memory it
 held; the share of the warm requests' prompt tokens that were not cached (what a prefill linear in its tokens
-would make the first-token ratio); requests that found nothing to reuse, against the same without the cache; whether each greedy answer was the
-same both ways; and, for the chat template, how much of the last turn's prompt and answer the next prompt repeats
-token for token.
+would make the first-token ratio); requests that found nothing to reuse, against the same without the cache;
+whether each greedy answer was the same both ways; and, for the chat template, how much of the last turn's prompt
+and answer the next prompt repeats token for token.
 
     python -m bench.prompt_cache --out bench/results/prompt-cache          # the default pair (`make models`)
     python -m bench.prompt_cache --tiny --out /tmp/prompt-cache            # the tests' tiny pair
@@ -44,8 +44,8 @@ from specdec.text import encode_messages
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ["specdec/drafters.py", "specdec/verification.py", "specdec/kv_cache.py", "specdec/sampling.py",
            "specdec/adaptive.py", "specdec/params.py", "specdec/compiled.py", "specdec/stats.py"]
-DOCUMENTS = ["specdec/drafters.py", "specdec/verification.py", "specdec/prompt_cache.py", "specdec/grammar.py"]  # 2,000+
-# tokens each: a document conversation reaches its --document-tokens
+# 2,000 tokens or more each, so that every document conversation reaches its --document-tokens
+DOCUMENTS = ["specdec/drafters.py", "specdec/verification.py", "specdec/prompt_cache.py", "specdec/grammar.py"]
 QUESTIONS = ["What does this code do, in two sentences?", "Is there a bug here? Answer briefly.",
              "Which function would you test first, and how?", "Suggest one better name, and say why.",
              "What could be simpler? One suggestion.", "Summarise the invariant it keeps."]
@@ -163,7 +163,7 @@ def run_workloads(decoder, tokenizer, args) -> dict:
     conversations = {"chat": lambda: chat_workloads(tokenizer, args.conversations, args.turns, args.snippet_tokens),
                      "document": lambda: document_workloads(tokenizer, args.conversations, args.turns,
                                                             args.document_tokens)}
-    for workload in [w for w in args.workloads if w in conversations]:
+    for workload in [w for w in args.workloads if w in CONVERSATIONS]:
         for c, messages in enumerate(conversations[workload]()):
             history = {True: messages[:1], False: messages[:1]}
             for side in sides[workload].values():
@@ -260,7 +260,8 @@ def markdown(report: dict) -> str:
     lines = [f"# Prompt cache: {report['pair']} pair, {report['date']}", "",
              f"`{report['command']}` on {report['machine'].get('cpu', '?')}; greedy, model drafter, gamma 4, at most "
              f"{a['max_new_tokens']} new tokens. Ratios pool the requests with at least {a['min_history']} tokens of "
-             "history (after the first turn); intervals are 90% bootstrap over conversations (chat, document) or steps.", "",
+             "history (after the first turn); intervals are 90% bootstrap over conversations (chat, document) or "
+             "steps.", "",
              "| workload | requests | prompt tokens | served from cache | first token, on/off | interval | "
              "warm prompts not cached | "
              "whole request speedup | interval | nothing to reuse, on/off | same greedy answers | cache held (max) "
@@ -276,7 +277,8 @@ def markdown(report: dict) -> str:
         template = (f"{s['template_repeated']}/{s['template_history']}" if s["template_history"] else "-")
         lines.append(f"| {name} | {s['requests']} ({s['warm_requests']} warm) | {s['prompt_tokens']} | "
                      f"{s['cached_share']:.1%} | {f(s['first_token_ratio'], '.3f')}x | "
-                     f"{interval(s['first_token_interval'])} | {f(s['uncached_share'], '.3f')} | {f(s['speedup'])}x | {interval(s['speedup_interval'])} | "
+                     f"{interval(s['first_token_interval'])} | {f(s['uncached_share'], '.3f')} | "
+                     f"{f(s['speedup'])}x | {interval(s['speedup_interval'])} | "
                      f"{f(s['cold_ratio'])}x | {s['same_answers']}/{s['requests']} | "
                      f"{s['max_cache_bytes'] / 1e6:.0f} MB in {s['max_cache_entries']} | {template} |")
     lines += ["", "Per request (seconds: first token on / off, whole request on / off):", "",

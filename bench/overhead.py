@@ -55,8 +55,9 @@ def through_service(server: Server, method: str, tokens: int, stream: bool) -> d
     started = time.perf_counter()
     response = requests.post(server.url + "/predict", json=body, timeout=600, stream=stream)
     response.raise_for_status()
-    if stream:
-        events = [line for line in response.iter_lines() if line.startswith(b"data: ")]
+    if stream:  # each write read as it arrives, the events parsed at the end (the client shares the 2 cores)
+        body = b"".join(response.iter_content(chunk_size=None))
+        events = [line for line in body.split(b"\n") if line.startswith(b"data: ")]
         answer = json.loads(events[-1].removeprefix(b"data: "))
     else:
         answer = response.json()

@@ -69,9 +69,15 @@ def start_os_thread(fn: Callable, *args, name: str | None = None) -> Future:
     return future
 
 
+def os_lock():
+    """A native lock: acquiring it blocks the calling OS thread, whatever gevent has patched."""
+    return _original("_thread", "allocate_lock")()
+
+
 def os_thread_id() -> int:
-    """The calling OS thread's id (under gevent, threading.get_ident names the calling greenlet instead)."""
-    return _original("_thread", "get_ident")() if gevent_patched("threading") else threading.get_ident()
+    """The calling OS thread's id (under gevent, threading.get_ident names the calling greenlet instead; gevent
+    leaves get_native_id alone, and it is a tenth of the cost of looking up the original get_ident)."""
+    return threading.get_native_id()
 
 
 class Job:

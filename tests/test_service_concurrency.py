@@ -63,6 +63,60 @@ def test_submit_returns_at_once_and_keeps_the_order():
     assert engine.call(lambda: list(order)) == ["slow", "next"]
 
 
+def _rounds(record: list, count: int, seconds: float = 0.0):
+    """A stream's stand-in: `count` items made one after another, each noting the thread that made it."""
+    try:
+        for i in range(count):
+            time.sleep(seconds)
+            record.append(threading.get_ident())
+            yield f"<{i}>"
+    finally:
+        record.append(("closed on", threading.get_ident()))
+
+
+def test_ahead_computes_on_the_engine_thread_and_hands_over_everything_in_order():
+    engine, made = EngineThread(), []
+    engine_thread = engine.call(threading.get_ident)
+    batches = list(engine.ahead(_rounds(made, 30), depth=4))
+    assert "".join(batches) == "".join(f"<{i}>" for i in range(30))
+    assert set(made[:-1]) == {engine_thread} and made[-1] == ("closed on", engine_thread)
+
+
+def test_ahead_joins_what_is_ready_together_and_takes_one_batch_an_interval():
+    engine, made = EngineThread(), []
+    started = time.monotonic()
+    batches = list(engine.ahead(_rounds(made, 20, seconds=0.005), depth=64, interval=0.04))
+    seconds = time.monotonic() - started
+    assert "".join(batches) == "".join(f"<{i}>" for i in range(20))
+    assert 2 <= len(batches) <= 1 + seconds / 0.04 + 1, (len(batches), seconds)  # not one batch an item
+    # without an interval, a consumer that keeps up gets the items one by one as they come
+    assert len(list(engine.ahead(_rounds([], 10, seconds=0.02), depth=64))) >= 8
+
+
+def test_ahead_stays_at_most_depth_items_ahead_of_a_consumer_that_does_not_take():
+    engine, made = EngineThread(), []
+    batches = engine.ahead(_rounds(made, 100), depth=3)
+    first = next(batches)
+    assert first.startswith("<0>")
+    time.sleep(0.3)  # the consumer takes nothing more
+    assert len(made) <= first.count("<") + 3, made  # the items taken, and at most depth made ahead of them
+    batches.close()  # a client gone: the work stops, and the stream is closed on the engine thread first
+    assert made[-1] == ("closed on", engine.call(threading.get_ident))
+    assert engine.call(lambda: "still serving") == "still serving"
+
+
+def test_ahead_raises_an_exception_of_the_items_in_the_consumer():
+    def failing():
+        yield "<0>"
+        raise ValueError("bad round")
+
+    batches = []
+    with pytest.raises(ValueError, match="bad round"):
+        for batch in EngineThread().ahead(failing(), depth=4):
+            batches.append(batch)
+    assert batches == ["<0>"]  # the item before the failure still comes first
+
+
 def test_start_os_thread_carries_the_result_or_the_exception():
     assert start_os_thread(lambda: threading.get_ident()).result(10) != threading.get_ident()
     with pytest.raises(ZeroDivisionError):
@@ -98,6 +152,16 @@ GEVENT_SCRIPT = textwrap.dedent("""
             a = (a @ a).tanh()
         return threading.get_native_id()
     engine_thread = engine.call(compute)
+    def items():  # a stream's rounds, computed on the engine thread while the loop keeps ticking
+        for i in range(20):
+            a = torch.randn(200, 200)
+            end = time.perf_counter() + 0.01
+            while time.perf_counter() < end:
+                a = (a @ a).tanh()
+            yield f"<{i}>"
+    ticks_before = len(gaps)
+    ahead = "".join(engine.ahead(items(), 4, 0.02))
+    ahead_ticks = len(gaps) - ticks_before
     loaded = threading.Event()
     engine.submit(lambda: (time.sleep(0.2), loaded.set()))  # set from the engine thread, awaited on the loop
     woke = loaded.wait(5)
@@ -130,7 +194,7 @@ GEVENT_SCRIPT = textwrap.dedent("""
     print(json.dumps({"patched": gevent_patched(), "engine_thread": engine_thread,
                       "loop_thread": threading.get_native_id(), "ticks": len(gaps), "max_gap": max(gaps),
                       "woke": woke, "interrupted_after": interrupted, "overlaps": overlaps,
-                      "pool_ended": pool_ended}))
+                      "pool_ended": pool_ended, "ahead": ahead, "ahead_ticks": ahead_ticks}))
 """)
 
 
@@ -142,6 +206,8 @@ def test_under_gevent_the_loop_runs_while_the_engine_thread_computes():
     assert result["patched"] and result["engine_thread"] != result["loop_thread"]
     assert result["ticks"] >= 40 and result["max_gap"] < 0.25, result  # a second of compute: the loop ran on
     assert result["woke"] and result["overlaps"] and result["pool_ended"], result
+    # a stream computed ahead on the engine thread arrives whole and in order, and the loop runs meanwhile
+    assert result["ahead"] == "".join(f"<{i}>" for i in range(20)) and result["ahead_ticks"] >= 5, result
     assert result["interrupted_after"] is not None and 0.25 < result["interrupted_after"] < 2, result
 
 

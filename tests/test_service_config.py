@@ -92,6 +92,7 @@ def test_loader_may_be_an_import_path():
     ({"SPECDEC_HYBRID_MIN_MATCH": "9"}, {}, ["hybrid_min_match (9) exceeds lookup_max_ngram (8)"]),
     ({}, {"lookup_max_ngram": 2}, ["hybrid_min_match (3) exceeds lookup_max_ngram (2)"]),
     ({"SPECDEC_HYBRID_EXTEND": "sometimes"}, {}, ["hybrid_extend", "SPECDEC_HYBRID_EXTEND"]),
+    ({"SPECDEC_STREAM_INTERVAL": "-0.1"}, {}, ["stream_interval = '-0.1'", "SPECDEC_STREAM_INTERVAL"]),
     ({"SPECDEC_CONFIG": "/no/such/file.toml"}, {}, ["SPECDEC_CONFIG", "/no/such/file.toml", "does not exist"]),
 ])
 def test_invalid_configuration_is_one_clear_error(environ, overrides, words):

@@ -12,10 +12,12 @@ blocks on it. Either way the engine's state is only ever touched from that one t
 import contextlib
 import queue
 import threading
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
-from ..threads import gevent_patched, os_thread_id, start_os_thread
+from ..threads import gevent_patched, os_lock, os_thread_id, start_os_thread
 
 # While idle, the engine thread gives its own gevent loop a turn this often (see EngineThread._serve).
 IDLE_TURN_SECONDS = 0.05
@@ -67,6 +69,19 @@ class EngineThread:
         finally:
             watcher.stop()
 
+    def ahead(self, items: Iterator[str], depth: int, interval: float = 0.0) -> Iterator[str]:
+        """The strings of `items`, computed on the engine thread ahead of the caller, who gets them in order: the
+        engine thread never waits for the caller to send one, unless `depth` are untaken (so that a client that
+        reads slowly, or has gone, stops the work within `depth` items). The caller takes at most one batch every
+        `interval` seconds, the strings ready then joined into one; it is woken only while it waits for one, so
+        each batch costs the engine thread one hand-off of the GIL, not each string.
+
+        Closing the returned iterator (the caller stopped: a client gone) stops the work before its next item and
+        closes `items` on the engine thread, and returns once it has. An exception in `items` is raised here."""
+        outbox = _Outbox(depth)
+        self.submit(outbox.fill, items)
+        return outbox.drain(interval)
+
     def submit(self, fn: Callable, *args) -> None:
         """Start fn(*args) on the engine thread and return at once (fn reports its own outcome)."""
         self._start()
@@ -102,6 +117,119 @@ class EngineThread:
             outcome = _captured(fn, args)
             if done is not None:
                 done(outcome)
+
+
+class _Outbox:
+    """Strings passed from the engine thread (`fill`) to one caller (`drain`): a deque; a wake-up for the caller
+    while it waits (gevent's async watcher under gevent, else an event); and a native lock that the engine thread
+    waits on while `depth` strings are untaken."""
+
+    def __init__(self, depth: int):
+        self.depth = depth
+        self._items: deque = deque()  # strings, then (_END, None) or (_END, the exception)
+        self._space = os_lock()  # released by the caller when it takes: the engine thread may go on
+        self._waiting = False  # the caller waits: the next item wakes it
+        self.cancelled = False  # set by the caller: the engine thread stops before its next item
+        if gevent_patched():
+            import gevent
+            from gevent.event import Event
+
+            self._ready = Event()
+            self._watcher = gevent.get_hub().loop.async_()
+            self._watcher.start(self._ready.set)
+            self._wake = self._watcher.send
+        else:
+            self._ready, self._watcher = threading.Event(), None
+            self._wake = self._ready.set
+
+    def fill(self, items: Iterator[str]) -> None:
+        """On the engine thread: compute the items, keep at most `depth` untaken, end with the marker."""
+        ending = (_END, None)
+        try:
+            while not self.cancelled:
+                try:
+                    item = next(items)
+                except StopIteration:
+                    break
+                self._put(item)
+                while len(self._items) >= self.depth and not self.cancelled:
+                    self._space.acquire(blocking=False)  # cleared, then taken again when the caller takes
+                    if len(self._items) >= self.depth and not self.cancelled:
+                        self._space.acquire(timeout=IDLE_TURN_SECONDS)
+            if hasattr(items, "close"):
+                items.close()  # a generator stopped early runs its own clean-up here, on the engine thread
+        except BaseException as error:  # noqa: BLE001 - raised in the caller
+            ending = (_END, error)
+        self._put(ending)
+
+    def _put(self, item) -> None:
+        self._items.append(item)
+        if self._waiting or isinstance(item, tuple):  # after the append: a caller not past it yet is woken
+            self._wake()
+
+    def _pause(self, seconds: float) -> None:
+        """On the caller's side: wait out the interval, unless the end comes first (the last events go at once)."""
+        self._ready.clear()
+        if not (self._items and isinstance(self._items[-1], tuple)):
+            self._ready.wait(seconds)
+
+    def _await(self, timeout: float | None = None) -> None:
+        """On the caller's side: wait until an item is there (or the timeout)."""
+        self._ready.clear()
+        self._waiting = True  # before looking: an item put after this wakes the caller
+        try:
+            if not self._items:
+                self._ready.wait(timeout)
+        finally:
+            self._waiting = False
+
+    def drain(self, interval: float) -> Iterator[str]:
+        """On the caller's side: the strings as they come, those ready together joined, one batch at most every
+        `interval` seconds."""
+        ending = None
+        try:
+            while True:
+                taken = []
+                while self._items and ending is None:
+                    item = self._items.popleft()
+                    if isinstance(item, tuple):
+                        ending = item
+                    else:
+                        taken.append(item)
+                if taken:
+                    _release(self._space)
+                    sent = time.monotonic()
+                    if joined := "".join(taken):
+                        yield joined
+                    if ending is None and (pause := sent + interval - time.monotonic()) > 0:
+                        self._pause(pause)
+                if ending is not None:
+                    if ending[1] is not None:
+                        raise ending[1]
+                    return
+                self._await()
+        finally:
+            if ending is None:  # the caller stopped early: stop the engine thread's work, and wait until it has
+                self.cancelled = True
+                _release(self._space)
+                while True:
+                    while self._items and not isinstance(self._items[0], tuple):
+                        self._items.popleft()
+                    if self._items:
+                        break
+                    self._await(IDLE_TURN_SECONDS)
+            if self._watcher is not None:
+                self._watcher.stop()
+
+
+_END = "end"
+
+
+def _release(lock) -> None:
+    try:
+        lock.release()
+    except RuntimeError:  # not held: the engine thread is not waiting
+        pass
 
 
 def _event_loop_turn() -> Callable[[], None] | None:

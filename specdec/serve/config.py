@@ -66,6 +66,7 @@ class Settings(BaseModel):
     queue_size: int = Field(ge=0)
     queue_timeout: float = Field(gt=0, allow_inf_nan=False)
     request_timeout: float = Field(gt=0, allow_inf_nan=False)
+    stream_interval: float = Field(ge=0, le=1, allow_inf_nan=False)
     max_body_bytes: int = Field(ge=1024)
     retry_after: int = Field(ge=1)
     header_timeout: float = Field(gt=0, allow_inf_nan=False)

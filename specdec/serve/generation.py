@@ -9,11 +9,15 @@ ending, abandoning) runs on the engine thread (concurrency.py); text assembly ru
 import json
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
 from ..stats import GenerationStats
 from ..text import Completion
 from .errors import to_api_error
+
+# Rounds a stream's engine thread may decode beyond those its sender has taken (Generation.rounds).
+READ_AHEAD = 16
 
 
 class Generation:
@@ -81,6 +85,18 @@ class Generation:
         while self.step() is not None:
             pass
 
+    def rounds(self, render: Callable[[list[dict]], str | Iterable[str]]) -> Iterator[str]:
+        """A stream's rounds, each rendered by `render(kept)` (its event, or several), decoded and rendered on the
+        engine thread ahead of the sender, at most READ_AHEAD rounds: the engine thread never waits for the
+        request's greenlet to send a round, and rounds decoded while it sent go out together. Until this ends,
+        only the engine thread touches the generation."""
+        def rendered():
+            while (kept := self.step()) is not None:
+                events = render(kept)
+                yield events if isinstance(events, str) else "".join(events)
+
+        return self.service.engine.ahead(rendered(), READ_AHEAD, self.service.settings.stream_interval)
+
     def finish_reason(self) -> str | None:
         if self.completion.stopped:
             return "stop"
@@ -145,10 +161,7 @@ class Generation:
         """/predict's Server-Sent Events: one per committed chunk, then one with finish_reason, usage and stats.
         With logprobs, each event has those of the tokens whose text it completes."""
         try:
-            # one hand-off per round: an engine thread decoding ahead while the greenlet sends measured slower (the
-            # two contend for the GIL: bench/README.md, "Rounds bound by overhead")
-            while (kept := self.step()) is not None:
-                yield sse(self._event(kept))
+            yield from self.rounds(lambda kept: sse(self._event(kept)))
             final = self.body()
             final["text"] = self.completion.take()
             final.pop("tokens", None)

@@ -358,18 +358,22 @@ class Reply:
         text, entries = choices.echo(index), []  # not sent yet: the round that ended decoding goes with finish
         first = True
         reader, streamed = ToolCallReader(), {}  # with tools: the calls so far, and each one's arguments sent
-        while generation.step() is not None:
+
+        def render(kept):  # a round's chunks, on the engine thread (Generation.rounds)
+            nonlocal text, entries, first
             if first:
                 entries += self._prompt_entries(choices, index, generation)
                 first = False
             text += completion.take()
             if self.tools:  # text is held to the end (calls taken out of it); calls go out as they are decoded
                 yield from self._call_deltas(reader.read(text), streamed, index)
-                continue
+                return
             entries += self._entries(choices, index, generation, completion.take_tokens())
             if not generation.final and (text or entries):
                 yield self._chunk(text, index, logprobs=self._logprobs(choices.svc, entries))
                 text, entries = "", []
+
+        yield from generation.rounds(render)
         text += completion.take()
         entries += self._entries(choices, index, generation, completion.take_tokens())
         stats = SpeculativeDecodingStats.of(generation.stats())

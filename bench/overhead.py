@@ -117,7 +117,9 @@ def measure(args, draft_dir: str, target_dir: str, folder: Path) -> dict:
             server = Server(folder / f"{name}.log", env=threads, draft_model=draft_dir, target_model=target_dir,
                             device=args.device, compile=str(compiled).lower(),
                             draft_quantization=args.draft_quantization,
-                            max_new_tokens_limit=max(args.tokens, 1024)).wait_ready(timeout=1200)
+                            max_new_tokens_limit=max(args.tokens, 1024),
+                            **({} if args.stream_interval is None else {"stream_interval": args.stream_interval})
+                            ).wait_ready(timeout=1200)
         try:
             runs: dict[str, list[dict]] = {}
             for repeat in range(args.repeats + 1):  # the first is a warm-up
@@ -186,6 +188,8 @@ def main(argv=None) -> int:
                         help="eager, compiled or both (comma-separated)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads, in-process and in the service (default: 1 for tiny, 2 for default)")
+    parser.add_argument("--stream-interval", type=float, default=None,
+                        help="the service's stream_interval (default: config/default.toml's)")
     parser.add_argument("--out", default="bench/results/overhead")
     args = parser.parse_args(argv)
     args.draft_quantization = args.draft_quantization or ("none" if args.pair == "tiny" else "int8")

@@ -49,6 +49,7 @@ def test_predict_takes_response_format_and_structured_outputs(client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "wat"}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, None),
+    ({"structured_outputs": {"choice": ["a", "b"]}, "ignore_eos": True}, "ignore_eos"),
 ])
 def test_predict_refuses_bad_constraints_naming_the_field(client, extra, field):
     response = client.post("/predict", json={"prompt": "Who is", **extra})
@@ -127,3 +128,21 @@ def test_a_streamed_tool_call_sends_its_arguments_as_they_are_decoded(client):
 @pytest.fixture
 def service_tokenizer(app):
     return app.extensions["specdec"].tokenizer
+
+
+@pytest.mark.parametrize("path, body, status", [
+    ("/v1/completions", {"prompt": "Who is", "response_format": {"type": "json_object"}}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1 + 2?"}],
+                              "tools": [{"type": "function", "function": {"name": "add"}}]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "1 + 2?"}], "tool_choice": "none",
+                              "tools": [{"type": "function", "function": {"name": "add"}}]}, 200),
+])
+def test_ignore_eos_with_a_grammar_is_refused_before_decoding(client, path, body, status):
+    """A grammar ends the answer with an end-of-sequence token, so ignore_eos beside one is a 400 naming it, from
+    the request's validation (schemathesis drew ignore_eos with tools: the engine refused it, after the document
+    had let it through); tools with tool_choice none have no grammar."""
+    response = client.post(path, json={"model": "target", "max_tokens": 3, "ignore_eos": True, **body})
+    assert response.status_code == status, response.get_json()
+    if status == 400:
+        error = response.get_json()["error"]
+        assert error["param"] == "ignore_eos" and "end-of-sequence" in error["message"]

@@ -6,7 +6,8 @@ or idle client costs a greenlet, not a thread. Decoding must not run on that loo
 call (loading the pair, each decoding round, ending a generation) on one OS thread of its own, and the calling
 greenlet waits for it cooperatively; torch releases the GIL in its kernels, so the loop keeps serving meanwhile.
 Without gevent (the Flask test client, a threaded server) the engine thread is an ordinary thread and a caller
-blocks on it. Either way the engine's state is only ever touched from that one thread.
+blocks on it. Either way the engine's state is only ever touched from that one thread. A stream runs its rounds
+there ahead of the greenlet that sends them (`EngineThread.ahead`), which is woken only when it waits.
 """
 
 import contextlib

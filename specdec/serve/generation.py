@@ -3,7 +3,9 @@ the time budget, and render the answer as JSON or as Server-Sent Events.
 
 `close` stops the engine, releases its slot and records the outcome; it is idempotent and runs on every path:
 normal end, stop string, time limit, client disconnect, error. Whatever touches the engine's stream (a round,
-ending, abandoning) runs on the engine thread (concurrency.py); text assembly runs in the request's greenlet.
+ending, abandoning) runs on the engine thread (concurrency.py). So does a JSON answer's decoding with its text
+assembly (`run`), and a stream's rounds with their text and events (`rounds`, decoded ahead of the greenlet
+that writes them); the request's greenlet renders the rest once they have ended.
 """
 
 import json

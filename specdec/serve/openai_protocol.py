@@ -257,6 +257,11 @@ class _Request(BaseModel):
                 and self.response_format.type != "text":
             raise PydanticCustomError("invalid_value", "give response_format or structured_outputs, not both",
                                       {"param": "structured_outputs"})
+        if self.ignore_eos and (self.structured_outputs is not None or self.response_format is not None
+                                and self.response_format.type != "text"):
+            raise PydanticCustomError("invalid_value", "ignore_eos cannot be combined with response_format or "
+                                      "structured_outputs: a constrained answer ends with an end-of-sequence token",
+                                      {"param": "ignore_eos"})
         return self
 
     def constraint(self, special_tool_tokens: bool = False) -> Constraint | None:
@@ -382,6 +387,10 @@ class ChatCompletionRequest(_Request):
                                  and self.response_format.type != "text"):
             raise PydanticCustomError("invalid_value", "a response_format or structured_outputs cannot be combined "
                                       "with tools (unless tool_choice is none)", {"param": "tool_choice"})
+        if self.ignore_eos and self.calls_tools:
+            raise PydanticCustomError("invalid_value", "ignore_eos cannot be combined with tools (unless tool_choice "
+                                      "is none): their grammar ends the answer with an end-of-sequence token",
+                                      {"param": "ignore_eos"})
         return self
 
     @property

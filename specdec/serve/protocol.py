@@ -223,6 +223,10 @@ def parse_predict(body: dict, settings: Settings) -> PredictParams:
         constraint = request_constraint(req.response_format, req.structured_outputs)
     except SpecDecError as error:
         raise ApiError(422, "invalid_field", error.message, error.field) from None
+    if constraint is not None and sampling.ignore_eos:
+        raise ApiError(422, "invalid_field", "ignore_eos cannot be combined with response_format or "
+                                             "structured_outputs: a constrained answer ends with an end-of-sequence "
+                                             "token", "ignore_eos")
     return PredictParams(prompt=req.prompt, sampling=sampling, stop=tuple(req.stop or ()), chat=bool(req.chat),
                          details=bool(req.details), stream=bool(req.stream), constraint=constraint)
 

@@ -49,7 +49,8 @@ VERIFICATION_DESCRIPTION = "how proposals are verified: token by token, or the b
 CONFIDENCE_DESCRIPTION = ("the draft model ends its run before gamma after a token it gave a probability below "
                           "this (softmax of its logits, before temperature, top-k and top-p); 0: never")
 IGNORE_EOS_DESCRIPTION = ("keep an end-of-sequence token and go on to the token limit (default false; not with "
-                          "a response_format or structured_outputs constraint)")
+                          "a response_format or structured_outputs constraint, nor with tools unless tool_choice is "
+                          "none)")
 SEED_DESCRIPTION = ("the same seed and request give the same completion (with cache_prompt false; with the prompt "
                     "cache, only where it holds the same); default random")
 CACHE_PROMPT_DESCRIPTION = ("start from the prompt cache (reuse what an earlier request shared with this prompt) and "

@@ -127,7 +127,7 @@ class _Outbox:
 
     def __init__(self, depth: int):
         self.depth = depth
-        self._items: deque = deque()  # strings, then (_END, None) or (_END, the exception)
+        self._items: deque = deque()  # strings, then an _End
         self._space = os_lock()  # released by the caller when it takes: the engine thread may go on
         self._waiting = False  # the caller waits: the next item wakes it
         self.cancelled = False  # set by the caller: the engine thread stops before its next item
@@ -145,7 +145,7 @@ class _Outbox:
 
     def fill(self, items: Iterator[str]) -> None:
         """On the engine thread: compute the items, keep at most `depth` untaken, end with the marker."""
-        ending = (_END, None)
+        ending = _End()
         try:
             while not self.cancelled:
                 try:
@@ -160,18 +160,18 @@ class _Outbox:
             if hasattr(items, "close"):
                 items.close()  # a generator stopped early runs its own clean-up here, on the engine thread
         except BaseException as error:  # noqa: BLE001 - raised in the caller
-            ending = (_END, error)
+            ending = _End(error)
         self._put(ending)
 
     def _put(self, item) -> None:
         self._items.append(item)
-        if self._waiting or isinstance(item, tuple):  # after the append: a caller not past it yet is woken
+        if self._waiting or isinstance(item, _End):  # after the append: a caller not past it yet is woken
             self._wake()
 
     def _pause(self, seconds: float) -> None:
         """On the caller's side: wait out the interval, unless the end comes first (the last events go at once)."""
         self._ready.clear()
-        if not (self._items and isinstance(self._items[-1], tuple)):
+        if not (self._items and isinstance(self._items[-1], _End)):
             self._ready.wait(seconds)
 
     def _await(self, timeout: float | None = None) -> None:
@@ -193,7 +193,7 @@ class _Outbox:
                 taken = []
                 while self._items and ending is None:
                     item = self._items.popleft()
-                    if isinstance(item, tuple):
+                    if isinstance(item, _End):
                         ending = item
                     else:
                         taken.append(item)
@@ -205,8 +205,8 @@ class _Outbox:
                     if ending is None and (pause := sent + interval - time.monotonic()) > 0:
                         self._pause(pause)
                 if ending is not None:
-                    if ending[1] is not None:
-                        raise ending[1]
+                    if ending.error is not None:
+                        raise ending.error
                     return
                 self._await()
         finally:
@@ -214,7 +214,7 @@ class _Outbox:
                 self.cancelled = True
                 _release(self._space)
                 while True:
-                    while self._items and not isinstance(self._items[0], tuple):
+                    while self._items and not isinstance(self._items[0], _End):
                         self._items.popleft()
                     if self._items:
                         break
@@ -223,7 +223,11 @@ class _Outbox:
                 self._watcher.stop()
 
 
-_END = "end"
+class _End:
+    """The last item of an _Outbox: the work ended, by itself or with `error`."""
+
+    def __init__(self, error: BaseException | None = None):
+        self.error = error
 
 
 def _release(lock) -> None:

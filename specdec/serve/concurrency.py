@@ -75,7 +75,7 @@ class EngineThread:
         engine thread never waits for the caller to send one, unless `depth` are untaken (so that a client that
         reads slowly, or has gone, stops the work within `depth` items). The caller takes at most one batch every
         `interval` seconds, the strings ready then joined into one; it is woken only while it waits for one, so
-        each batch costs the engine thread one hand-off of the GIL, not each string.
+        the engine thread wakes it once a batch at most, not once a string.
 
         Closing the returned iterator (the caller stopped: a client gone) stops the work before its next item and
         closes `items` on the engine thread, and returns once it has. An exception in `items` is raised here."""

@@ -34,6 +34,7 @@ from .protocol import (
     CACHE_PROMPT_DESCRIPTION,
     CONFIDENCE_DESCRIPTION,
     DRAFTER_DESCRIPTION,
+    IGNORE_EOS_CONSTRAINED,
     IGNORE_EOS_DESCRIPTION,
     LOGPROBS_DESCRIPTION,
     MAX_STOP_CHARS,
@@ -253,16 +254,17 @@ class _Request(BaseModel):
 
     @model_validator(mode="after")
     def _one_constraint(self):
-        if self.structured_outputs is not None and self.response_format is not None \
-                and self.response_format.type != "text":
+        if self.structured_outputs is not None and self.formats_answer:
             raise PydanticCustomError("invalid_value", "give response_format or structured_outputs, not both",
                                       {"param": "structured_outputs"})
-        if self.ignore_eos and (self.structured_outputs is not None or self.response_format is not None
-                                and self.response_format.type != "text"):
-            raise PydanticCustomError("invalid_value", "ignore_eos cannot be combined with response_format or "
-                                      "structured_outputs: a constrained answer ends with an end-of-sequence token",
-                                      {"param": "ignore_eos"})
+        if self.ignore_eos and (self.structured_outputs is not None or self.formats_answer):
+            raise PydanticCustomError("invalid_value", IGNORE_EOS_CONSTRAINED, {"param": "ignore_eos"})
         return self
+
+    @property
+    def formats_answer(self) -> bool:
+        """A response_format other than text constrains the answer."""
+        return self.response_format is not None and self.response_format.type != "text"
 
     def constraint(self, special_tool_tokens: bool = False) -> Constraint | None:
         """What the answer must match, if anything."""
@@ -383,8 +385,7 @@ class ChatCompletionRequest(_Request):
             raise PydanticCustomError("invalid_value", "top_logprobs needs logprobs: true",
                                       {"param": "top_logprobs"})
         check_tools(self.tools, self.tool_choice)
-        if self.calls_tools and (self.structured_outputs is not None or self.response_format is not None
-                                 and self.response_format.type != "text"):
+        if self.calls_tools and (self.structured_outputs is not None or self.formats_answer):
             raise PydanticCustomError("invalid_value", "a response_format or structured_outputs cannot be combined "
                                       "with tools (unless tool_choice is none)", {"param": "tool_choice"})
         if self.ignore_eos and self.calls_tools:

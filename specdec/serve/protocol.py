@@ -51,6 +51,9 @@ CONFIDENCE_DESCRIPTION = ("the draft model ends its run before gamma after a tok
 IGNORE_EOS_DESCRIPTION = ("keep an end-of-sequence token and go on to the token limit (default false; not with "
                           "a response_format or structured_outputs constraint, nor with tools unless tool_choice is "
                           "none)")
+# why a request's ignore_eos is refused beside response_format or structured_outputs (/predict and /v1)
+IGNORE_EOS_CONSTRAINED = ("ignore_eos cannot be combined with response_format or structured_outputs: a constrained "
+                          "answer ends with an end-of-sequence token")
 SEED_DESCRIPTION = ("the same seed and request give the same completion (with cache_prompt false; with the prompt "
                     "cache, only where it holds the same); default random")
 CACHE_PROMPT_DESCRIPTION = ("start from the prompt cache (reuse what an earlier request shared with this prompt) and "
@@ -225,9 +228,7 @@ def parse_predict(body: dict, settings: Settings) -> PredictParams:
     except SpecDecError as error:
         raise ApiError(422, "invalid_field", error.message, error.field) from None
     if constraint is not None and sampling.ignore_eos:
-        raise ApiError(422, "invalid_field", "ignore_eos cannot be combined with response_format or "
-                                             "structured_outputs: a constrained answer ends with an end-of-sequence "
-                                             "token", "ignore_eos")
+        raise ApiError(422, "invalid_field", IGNORE_EOS_CONSTRAINED, "ignore_eos")
     return PredictParams(prompt=req.prompt, sampling=sampling, stop=tuple(req.stop or ()), chat=bool(req.chat),
                          details=bool(req.details), stream=bool(req.stream), constraint=constraint)
 

@@ -152,10 +152,11 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, "
                         "float16 or bfloat16")
-    parser.add_argument("--draft_quantization", default="int8", type=str.lower, choices=("int8", "none"),
+    parser.add_argument("--draft_quantization", default="int8", type=str.lower, choices=("int8", "int4", "none"),
                         help="int8 (default): a draft on CPU runs int8-quantized (loaded in float32, also beside a "
-                             "bfloat16 target), 2.5-3x cheaper; outputs stay exactly the target's. none: the draft "
-                             "as loaded")
+                             "bfloat16 target), 2.5-3x cheaper; a draft from a GGUF file keeps its own weights. "
+                             "int4: 4-bit groups for the grouped CPU kernel (a GGUF draft's wider layers "
+                             "requantized). Outputs stay exactly the target's. none: the draft as loaded")
     parser.add_argument("--weights", default="shipped", type=str.lower, choices=("shipped", "float"),
                         help="shipped (default): a model from a GGUF file (the default pair) computes with the GGUF's "
                              "own 4- and 8-bit weights on CPU; float: weights dequantized to float")

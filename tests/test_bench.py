@@ -669,3 +669,22 @@ def test_prompt_cache_runs_the_workloads_asked_and_refuses_an_unknown_one(tmp_pa
     with pytest.raises(SystemExit):
         prompt_cache.main(["--tiny", "--workloads", "chat,novel"])
     assert "unknown workload novel" in capsys.readouterr().err
+
+
+def test_draft_forms_report_pairs_each_prompt_and_counts_acceptance():
+    """bench.draft_forms: ratios are taken within each prompt (a slow prompt does not mix with a fast one), their
+    median and range reported, and the acceptance counted lower, higher or equal per run."""
+    from bench.draft_forms import report
+
+    rows = [{"prompt": "a", "repeat": 0, "target": 10.0, "google-int8": 20.0, "google-int4": 22.0,
+             "google-int8-acceptance": 0.9, "google-int4-acceptance": 0.8, "draft-int8": 30.0, "draft-int4": 36.0},
+            {"prompt": "b", "repeat": 0, "target": 5.0, "google-int8": 5.0, "google-int4": 4.0,
+             "google-int8-acceptance": 0.5, "google-int4-acceptance": 0.5, "draft-int8": 15.0, "draft-int4": 15.0},
+            {"prompt": "c", "repeat": 0, "target": 20.0, "google-int8": 30.0, "google-int4": 36.0,
+             "google-int8-acceptance": 0.7, "google-int4-acceptance": 0.75, "draft-int8": 40.0, "draft-int4": 60.0}]
+    summary, text = report(rows, "python -m bench.draft_forms", "now")
+    google = summary["summary"]["google-int4 / google-int8"]
+    assert google == {"median": pytest.approx(1.1), "low": pytest.approx(0.8), "high": pytest.approx(1.2)}
+    assert summary["summary"]["draft-int4 / draft-int8"]["median"] == pytest.approx(1.2)
+    assert (summary["acceptance_lower"], summary["acceptance_higher"]) == (1, 1)
+    assert "| google-int4 / google-int8 | 1.10x | 0.80-1.20x |" in text and "python -m bench.draft_forms" in text

@@ -166,7 +166,7 @@ def test_benchmark_prints_speedup_over_target(pair_args, capsys):
     (["--draft_confidence_threshold", "1.5"], "draft_confidence_threshold"),
     (["--draft_confidence_threshold", "sure"], "draft_confidence_threshold"),
     (["--dtype", "int4"], "dtype"),
-    (["--draft_quantization", "int4"], "draft_quantization"),
+    (["--draft_quantization", "int2"], "draft_quantization"),
     (["--compile", "sometimes"], "--compile"),
     (["--quantize", "int3"], "--quantize"),
     (["--device", "tpu9"], "device"),

@@ -332,7 +332,11 @@ def test_grouped_greedy_speculative_equals_grouped_target_only(drafter, rule, me
     draft = grouped_model(perturbed_copy(make_model("llama", seed=0, vocab_size=100, hidden=64,
                                                     initializer_range=0.3), noise=0.05))
     decoder = SpeculativeDecoder(draft, target)
-    prompt = [5, 17, 42, 8, 99, 3, 5, 17, 42, 8]
+    base = [5, 17, 42, 8, 99, 3, 5, 17, 42, 8]
+    # the prompt holds the start of its own continuation after a copy of itself, so that prompt lookup has
+    # something to propose that the target takes
+    prompt = base + decoder.generate(base, max_new_tokens=16, method="target", temperature=0,
+                                     eos_token_id=[]).token_ids + base
     reference = decoder.generate(prompt, max_new_tokens=40, method="target", temperature=0,
                                  eos_token_id=[]).token_ids
     result = decoder.generate(prompt, max_new_tokens=40, method="google" if method == "adaptive" else method,
@@ -344,24 +348,112 @@ def test_grouped_greedy_speculative_equals_grouped_target_only(drafter, rule, me
 
 # --- quantize: float models in the same forms ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_quantize_puts_each_value_within_half_a_step(bits):
-    """Round to nearest per group of 32: every dequantized value is within half a step (the group's scale) of the
-    float weight; a flat group is exact."""
-    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(bits)) * 0.05
+def range_levels_error(w: torch.Tensor) -> torch.Tensor:
+    """Each 4-bit group's squared error with the plain levels: the group's range in 15 steps, nearest level."""
+    groups = w.reshape(w.shape[0], -1, 32)
+    low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+    scale = ((high - low) / 15).clamp_min(1e-30)
+    v = ((groups - low) / scale).round().clamp(0, 15)
+    return (scale * v + low - groups).square().sum(-1)
+
+
+def test_quantize_to_4_bits_fits_each_group_no_worse_than_its_range():
+    """4 bits: each group's squared error is at most the plain range levels' (up to the float16 rounding of scale
+    and minimum), lower overall on a weight with outliers, and a flat group is exact; the scales and minimums are
+    float16 values, which the kernel reads in two bytes (5 bits a weight)."""
+    generator = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 128, generator=generator) * 0.05
+    w[:, 7] *= 10  # an outlier column, as real weights have
     w[3, :32] = 0.25  # a flat group
-    grouped = quantize(w, bits)
-    assert (grouped.bits, grouped.group) == (bits, 32) and (grouped.minimum is None) == (bits == 8)
+    w[5, 32:64] += 3.0  # a group far from 0
+    grouped = quantize(w, 4)
+    assert (grouped.bits, grouped.group) == (4, 32) and grouped.minimum is not None
+    error = (dequantize(grouped) - w).square().reshape(40, 4, 32).sum(-1)
+    plain = range_levels_error(w)
+    assert (error <= plain * 1.01 + 1e-9).all()
+    assert error.sum() < 0.9 * plain.sum()
+    assert error[3, 0] <= 1e-12
+    layout = tiled(grouped)
+    assert layout.scale.dtype == layout.minimum.dtype == torch.float16
+
+
+def test_quantize_to_8_bits_puts_each_value_within_half_a_step():
+    """8 bits, symmetric: round to nearest per group of 32, every dequantized value within half a step (the group's
+    scale) of the float weight; the scales are float16 values."""
+    w = torch.randn(40, 128, generator=torch.Generator().manual_seed(8)) * 0.05
+    w[5, 32:64] += 3.0
+    grouped = quantize(w, 8)
+    assert (grouped.bits, grouped.group) == (8, 32) and grouped.minimum is None
     error = (dequantize(grouped) - w).abs().reshape(40, 4, 32)
     assert (error <= grouped.scale.unsqueeze(-1) / 2 * (1 + 1e-5) + 1e-7).all()
-    assert error[3, 0].max() <= 1e-7
     assert error.max() > 0  # it did change the model
+    assert tiled(grouped).scale.dtype == torch.float16
 
 
 def test_quantize_refuses_a_width_without_whole_groups():
     with pytest.raises(ValueError, match="no 4-bit groups"):
         quantize(torch.randn(4, 96), 4)
     assert quantize(torch.randn(4, 96), 8).shape == (4, 96)
+
+
+def test_a_4bit_draft_requantizes_the_wider_gguf_types_from_their_own_values(tmp_path):
+    """pack_from_gguf with requantize = 4 (draft_quantization = int4 on a shipped draft): Q8_0, Q5_0 and Q6_K layers
+    become 4-bit groups quantized from gguf's own dequantization (scales and minimums float16, 5 bits a weight as
+    kept); a Q4_K layer and an embedding stay bitwise as shipped; without it every layer keeps its shipped type."""
+    import gguf
+    from gguf.quants import dequantize as gguf_dequantize
+
+    from specdec.models.shipped import pack_from_gguf
+
+    kinds = {"wide": ("Q8_0", 24, 128), "five": ("Q5_0", 24, 128), "six": ("Q6_K", 24, 256),
+             "four": ("Q4_K", 24, 256), "embed": ("Q8_0", 24, 128)}
+    blocks = {name: gguf_blocks(qtype, rows, k, seed=i) for i, (name, (qtype, rows, k)) in enumerate(kinds.items())}
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    for name, (qtype, _, _) in kinds.items():
+        writer.add_tensor(f"{name}.weight", blocks[name], raw_dtype=gguf.GGMLQuantizationType[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    names = {name: f"{name}.weight" for name in kinds}
+    shipped = pack_from_gguf(path, names, frozenset({"embed"}))
+    requantized = pack_from_gguf(path, names, frozenset({"embed"}), requantize=4)
+    for name in ("wide", "five", "six"):
+        qtype = kinds[name][0]
+        weight = torch.from_numpy(gguf_dequantize(blocks[name], gguf.GGMLQuantizationType[qtype]))
+        expected = tiled(quantize(weight, 4)).tensors()
+        assert int(requantized[name]["layout"][0]) == 4 and int(shipped[name]["layout"][0]) > 4
+        assert expected.keys() == requantized[name].keys()
+        assert all(torch.equal(expected[key], requantized[name][key]) for key in expected)
+        assert requantized[name]["scale"].dtype == requantized[name]["minimum"].dtype == torch.float16
+    for name in ("four", "embed"):
+        assert shipped[name].keys() == requantized[name].keys()
+        assert all(torch.equal(shipped[name][key], requantized[name][key]) for key in shipped[name])
+
+
+def test_load_pair_with_a_4bit_draft_quantizes_the_draft_alone_and_speculation_stays_the_targets(tiny_pair_dirs,
+                                                                                                  caplog):
+    """draft_quantization = int4 on a float pair: the draft's linear layers become 4-bit groups, the target stays
+    float, and greedy speculative output equals the target's own, with both rules."""
+    import logging
+
+    from specdec.models.pair import load_pair
+
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        draft, target, _ = load_pair(*tiny_pair_dirs, device="cpu", draft_quantization="int4")
+    layers = [m for m in draft.modules() if isinstance(m, GroupedLinear)]
+    assert layers and {m.bits for m in layers} == {4}
+    assert not any(isinstance(m, GroupedLinear) for m in target.modules())
+    assert "quantized the draft to int4" in caplog.text
+    reference_target = load_pair(*tiny_pair_dirs, device="cpu", draft_quantization="none")[1]
+    decoder = SpeculativeDecoder(draft, target)
+    prompt = [5, 17, 42, 8, 99, 3, 5, 17, 42, 8]
+    reference = SpeculativeDecoder(draft, reference_target).generate(prompt, max_new_tokens=24, method="target",
+                                                                     temperature=0, eos_token_id=[])
+    for method in ("google", "deepmind"):
+        result = decoder.generate(prompt, max_new_tokens=24, method=method, temperature=0, eos_token_id=[])
+        assert result.token_ids == reference.token_ids
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])

@@ -80,7 +80,7 @@ def test_loader_may_be_an_import_path():
     ({"SPECDEC_PORT": "http"}, {}, ["port = 'http'", "from SPECDEC_PORT", "integer"]),
     ({"SPECDEC_PORT": "70000"}, {}, ["port = '70000'", "65535"]),
     ({"SPECDEC_DTYPE": "int8"}, {}, ["dtype", "SPECDEC_DTYPE", "bfloat16"]),
-    ({"SPECDEC_DRAFT_QUANTIZATION": "int4"}, {}, ["draft_quantization", "SPECDEC_DRAFT_QUANTIZATION", "int8"]),
+    ({"SPECDEC_DRAFT_QUANTIZATION": "int2"}, {}, ["draft_quantization", "SPECDEC_DRAFT_QUANTIZATION", "int8"]),
     ({"SPECDEC_METHOD": "draft"}, {}, ["method", "google"]),
     ({"SPECDEC_TEMPERATURE": "nan"}, {}, ["temperature", "finite"]),
     ({"SPECDEC_QUEUE_SIZE": "-1"}, {}, ["queue_size", "greater than or equal to 0"]),

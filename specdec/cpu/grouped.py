@@ -112,10 +112,17 @@ def quantizable(k: int, bits: int) -> bool:
 
 
 def quantize(weight: torch.Tensor, bits: int) -> Grouped:
-    """A float weight [N, K] quantized per group of 32 along K, to the nearest level: this changes the model (for
-    models not shipped in low-bit form; `quantize` in the configuration). 4 bits: a scale and a minimum per group,
-    w ~ scale * v - minimum with v in 0..15 (the form of Q4_K's groups; K a multiple of 64); 8 bits: symmetric,
-    w ~ scale * v with v in -127..127 (Q8_0's; K a multiple of 32). Each value is within half a step of w."""
+    """A float weight [N, K] quantized per group of 32 along K: this changes the model (for models not shipped in
+    low-bit form, `quantize` in the configuration; a 4-bit draft, `draft_quantization`).
+
+    4 bits: a scale and a minimum per group, w ~ scale * v - minimum with v in 0..15 (the form of Q4_1's groups, in
+    the nibble order of Q4_K's; K a multiple of 64). It starts from the group's range, then refits the two by least
+    squares on the levels chosen and rounds to the nearest level again, four times (as llama.cpp's k-quants
+    search): each round can only lower the group's squared error, so it ends no worse than the range's levels
+    (but for rounding the two to float16).
+    8 bits: symmetric, w ~ scale * v with v in -127..127 (Q8_0's; K a multiple of 32), to the nearest level, every
+    value within half a step. Scales and minimums are float16 values, read in two bytes by the kernel: 5 or 8.5
+    bits a weight."""
     w = weight.detach().float()
     n, k = w.shape
     if not quantizable(k, bits):
@@ -123,18 +130,37 @@ def quantize(weight: torch.Tensor, bits: int) -> Grouped:
     groups = w.reshape(n, k // QUANTIZE_GROUP, QUANTIZE_GROUP)
 
     def step(scale: torch.Tensor) -> torch.Tensor:  # a flat group's scale is 0: its every v is then 0
-        return torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+        return torch.where(scale > 0, scale, torch.ones_like(scale))
 
     if bits == 4:
-        low, high = groups.amin(-1), groups.amax(-1)
-        scale = (high - low) / 15
-        v = ((groups - low.unsqueeze(-1)) / step(scale)).round().clamp(0, 15).to(torch.uint8)
+        low = groups.amin(-1, keepdim=True)
+        scale, offset = (groups.amax(-1, keepdim=True) - low) / 15, low  # w ~ scale * v + offset
+        for _ in range(4):
+            v = ((groups - offset) / step(scale)).round().clamp(0, 15)
+            v_mean, w_mean = v.mean(-1, keepdim=True), groups.mean(-1, keepdim=True)
+            spread = (v - v_mean).square().mean(-1, keepdim=True)
+            fits = spread > 0  # else one level: keep the range's (a flat group is exact)
+            fitted = ((v - v_mean) * (groups - w_mean)).mean(-1, keepdim=True) / torch.where(fits, spread, 1)
+            scale = torch.where(fits & (fitted > 0), fitted, scale)
+            offset = torch.where(fits & (fitted > 0), w_mean - scale * v_mean, offset)
+        scale, minimum = _half(scale.squeeze(-1)), _half(-offset.squeeze(-1))
+        v = ((groups + minimum.unsqueeze(-1)) / step(scale).unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
         pairs = v.reshape(n, k // 64, 2, 32)  # GGUF's nibble order: group 2p low, group 2p + 1 high
         q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, k // 2)
-        return Grouped(q.contiguous(), scale.contiguous(), (-low).contiguous(), 4, QUANTIZE_GROUP)
-    scale = groups.abs().amax(-1) / 127
-    v = (groups / step(scale)).round().clamp(-127, 127).to(torch.int8)
+        return Grouped(q.contiguous(), scale.contiguous(), minimum.contiguous(), 4, QUANTIZE_GROUP)
+    scale = _half(groups.abs().amax(-1) / 127, up=True)  # up: the levels still reach the largest value
+    v = (groups / step(scale).unsqueeze(-1)).round().clamp(-127, 127).to(torch.int8)
     return Grouped(v.reshape(n, k).contiguous(), scale.contiguous(), None, 8, QUANTIZE_GROUP)
+
+
+def _half(x: torch.Tensor, up: bool = False) -> torch.Tensor:
+    """Each value as the nearest float16 (`up`: the nearest not below it), as float32, so that the kernel keeps it
+    in two bytes (`compact`); a value beyond float16's range stays as it is (its weight's scales then stay
+    float32)."""
+    half = x.half()
+    if up:
+        half = torch.where(half.float() < x, torch.nextafter(half, torch.full_like(half, torch.inf)), half)
+    return torch.where(half.isfinite(), half.float(), x)
 
 
 def quantize_model(model: nn.Module, bits: int) -> int:

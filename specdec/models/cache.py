@@ -19,6 +19,8 @@ def int8_form_path(folder: Path) -> Path:
     return cache_root() / "ready" / f"{Path(folder).name}.int8.safetensors"
 
 
-def shipped_form_path(folder: Path) -> Path:
-    """Where the packed GGUF weights of the model converted in `folder` are kept (`shipped.shipped_form`'s file)."""
-    return cache_root() / "ready" / f"{Path(folder).name}.shipped.safetensors"
+def shipped_form_path(folder: Path, requantize: int | None = None) -> Path:
+    """Where the packed GGUF weights of the model converted in `folder` are kept (`shipped.shipped_form`'s file;
+    `requantize`: those requantized to that many bits, a file of their own)."""
+    suffix = "shipped" if requantize is None else f"shipped-int{requantize}"
+    return cache_root() / "ready" / f"{Path(folder).name}.{suffix}.safetensors"

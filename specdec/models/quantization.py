@@ -14,14 +14,15 @@ from .checkpoint import fingerprint
 from .sources import ModelSource
 from .weights import ReadyForm
 
-DRAFT_QUANTIZATIONS = ("int8", "none")
+DRAFT_QUANTIZATIONS = ("int8", "int4", "none")
 
 
 def resolve_draft_quantization(value: str | None) -> str:
-    """"int8" or "none" (None is "none")."""
+    """"int8", "int4" or "none" (None is "none")."""
     name = "none" if value is None else str(value).strip().lower()
     if name not in DRAFT_QUANTIZATIONS:
-        raise SpecDecError(f"draft_quantization must be int8 or none, got {value!r}", field="draft_quantization")
+        raise SpecDecError(f"draft_quantization must be int8, int4 or none, got {value!r}",
+                           field="draft_quantization")
     return name
 
 

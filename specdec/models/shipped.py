@@ -62,6 +62,12 @@ def quantize_applies(quantize: str, device: torch.device, device_map) -> bool:
     return _vector_kernel(f"quantize = {quantize}", "loading the models as they are")
 
 
+def int4_draft_applies(device: torch.device) -> bool:
+    """Whether `draft_quantization` = "int4" can quantize a float draft for the grouped kernel: a CPU draft, and the
+    kernel built with AVX-512 VNNI or AVX2 (else a warning: torch's int8 draft instead)."""
+    return device.type == "cpu" and _vector_kernel("draft_quantization = int4", "the draft runs int8 instead")
+
+
 def _vector_kernel(setting: str, instead: str) -> bool:
     """Whether the grouped kernel is built here with AVX-512 VNNI or AVX2; if not, a warning that `setting` gives
     way to `instead`."""
@@ -117,13 +123,18 @@ def gguf_names(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def pack_from_gguf(path: Path, names: dict[str, str], embeddings: frozenset[str] = frozenset()
-                   ) -> dict[str, dict[str, torch.Tensor]]:
+def pack_from_gguf(path: Path, names: dict[str, str], embeddings: frozenset[str] = frozenset(),
+                   requantize: int | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """module name: the tensors of its GGUF weight, for every module whose type has a grouped form: in the kernel's
-    layout (`tiled`) for a linear layer, grouped for an embedding (`embeddings`: their module names)."""
-    import gguf
+    layout (`tiled`) for a linear layer, grouped for an embedding (`embeddings`: their module names).
 
-    from ..cpu.grouped import SHIPPED_TYPES, pack, tiled
+    `requantize` = 4: every linear layer of a wider type (Q5_0, Q6_K, Q8_0) is quantized again to 4-bit groups
+    (`grouped.quantize`) from the GGUF's own dequantized values, where its width allows: a 4-bit draft
+    (`draft_quantization`), which changes the draft, never the output's distribution. Q4_K layers stay as shipped."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from ..cpu.grouped import FOUR_BIT, SHIPPED_TYPES, pack, quantizable, quantize, tiled
 
     reader = gguf.GGUFReader(path)
     tensors = {t.name: t for t in reader.tensors}
@@ -131,7 +142,13 @@ def pack_from_gguf(path: Path, names: dict[str, str], embeddings: frozenset[str]
     for module_name, tensor_name in names.items():
         tensor = tensors.get(tensor_name)
         if tensor is not None and tensor.tensor_type.name in SHIPPED_TYPES:
-            grouped = pack(tensor.data, tensor.tensor_type.name)
+            qtype = tensor.tensor_type.name
+            k = int(tensor.shape[0])  # GGUF's shapes run innermost first
+            if requantize == 4 and module_name not in embeddings and qtype not in FOUR_BIT and quantizable(k, 4):
+                weight = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).reshape(-1, k))
+                packed[module_name] = tiled(quantize(weight, 4)).tensors()
+                continue
+            grouped = pack(tensor.data, qtype)
             packed[module_name] = ({**grouped.tensors(), "group": torch.tensor(grouped.group)}
                                    if module_name in embeddings else tiled(grouped).tensors())
     return packed
@@ -145,18 +162,20 @@ def _code() -> str:
     from ..cpu import grouped
 
     functions = (grouped.pack, grouped.compact, grouped.storage_bits, grouped.bit_planes, grouped.tiled, grouped.Tiled,
-                 pack_from_gguf, gguf_names)
+                 grouped.quantize, grouped._half, pack_from_gguf, gguf_names)
     return hashlib.sha256("".join(inspect.getsource(f) for f in functions).encode()).hexdigest()[:16]
 
 
-def shipped_form(source: ModelSource) -> ReadyForm | None:
-    """Where the default pair's packed layers are kept, keyed by what they depend on."""
+def shipped_form(source: ModelSource, requantize: int | None = None) -> ReadyForm | None:
+    """Where the default pair's packed layers are kept (`requantize`: as `pack_from_gguf`'s, a form of its own),
+    keyed by what they depend on."""
     import gguf
 
     folder = Path(source.path).resolve()
-    key = {"form": "shipped", "format": READY_FORMAT, "gguf": getattr(gguf, "__version__", "?"),
+    form = "shipped" if requantize is None else f"shipped-int{requantize}"
+    key = {"form": form, "format": READY_FORMAT, "gguf": getattr(gguf, "__version__", "?"),
            "code": _code(), "source": fingerprint(folder), "machine": platform.machine()}
-    return ReadyForm(shipped_form_path(folder), key)
+    return ReadyForm(shipped_form_path(folder, requantize), key)
 
 
 def _flatten(packed: dict) -> dict[str, torch.Tensor]:
@@ -171,15 +190,17 @@ def _unflatten(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Te
     return packed
 
 
-def packed_layers(model: nn.Module, source: ModelSource) -> dict[str, dict[str, torch.Tensor]]:
-    """The grouped tensors of `model`'s linear layers, from the ready form or packed from the GGUF."""
+def packed_layers(model: nn.Module, source: ModelSource, requantize: int | None = None
+                  ) -> dict[str, dict[str, torch.Tensor]]:
+    """The grouped tensors of `model`'s linear layers, from the ready form or packed from the GGUF (`requantize`:
+    as `pack_from_gguf`'s)."""
     origin = gguf_origin(source)
     names = gguf_names(model)
     if origin is None or not names:
         return {}
     if isinstance(origin, Path):
-        return pack_from_gguf(origin, names, _embeddings(model))
-    form = shipped_form(source)
+        return pack_from_gguf(origin, names, _embeddings(model), requantize)
+    form = shipped_form(source, requantize)
     if form.looks_current():
         from .checkpoint import read_header
 
@@ -194,7 +215,7 @@ def packed_layers(model: nn.Module, source: ModelSource) -> dict[str, dict[str, 
     with tempfile.TemporaryDirectory(dir=cache_root()) as scratch:
         joined = Path(scratch) / origin.filename
         join_parts(origin, joined)
-        packed = pack_from_gguf(joined, names, _embeddings(model))
+        packed = pack_from_gguf(joined, names, _embeddings(model), requantize)
     form.save(_flatten(packed))
     return packed
 
@@ -205,7 +226,7 @@ def _dtype(name: str) -> torch.dtype:
     return SAFETENSORS_DTYPES[name]
 
 
-def keep_shipped(source: ModelSource) -> str | None:
+def keep_shipped(source: ModelSource, requantize: int | None = None) -> str | None:
     """Where a default-pair model's packed GGUF weights are kept, packed first unless a current form is there
     (`make models` runs this, so that the first start does not pack); None for other models."""
     from .load import _causal_lm_class, _skeleton
@@ -213,25 +234,26 @@ def keep_shipped(source: ModelSource) -> str | None:
     origin = gguf_origin(source)
     if origin is None or isinstance(origin, Path):
         return None
-    form = shipped_form(source)
+    form = shipped_form(source, requantize)
     if not form.looks_current():
         config, model_class = _causal_lm_class(source, False)
         if model_class is None:
             return None
-        packed_layers(_skeleton(config, torch.float32), source)
+        packed_layers(_skeleton(config, torch.float32), source, requantize)
     return str(form.path)
 
 
-def kept_form_current(source: ModelSource) -> bool:
+def kept_form_current(source: ModelSource, requantize: int | None = None) -> bool:
     """Whether `source` is a default-pair model whose packed layers are kept and current (cheap: no tensor read)."""
     origin = gguf_origin(source)
-    return origin is not None and not isinstance(origin, Path) and shipped_form(source).looks_current()
+    return origin is not None and not isinstance(origin, Path) and shipped_form(source, requantize).looks_current()
 
 
-def load_shipped(source: ModelSource, role: str, dtype: torch.dtype, trust_remote_code: bool = False):
-    """A default-pair model from its kept packed layers and, of its float checkpoint, only the other tensors
-    (embedding, norms, biases): the float weights of its linear layers are never read. None where the kept form
-    turns out unusable (the caller then loads the float model and packs it again)."""
+def load_shipped(source: ModelSource, role: str, dtype: torch.dtype, trust_remote_code: bool = False,
+                 requantize: int | None = None):
+    """A default-pair model from its kept packed layers (`requantize`: as `pack_from_gguf`'s) and, of its float
+    checkpoint, only the other tensors (embedding, norms, biases): the float weights of its linear layers are never
+    read. None where the kept form turns out unusable (the caller then loads the float model and packs it again)."""
     from ..cpu.grouped import grouped_kernel
     from .checkpoint import checkpoint_files, read_header
     from .load import _causal_lm_class, _finish, _skeleton
@@ -241,7 +263,7 @@ def load_shipped(source: ModelSource, role: str, dtype: torch.dtype, trust_remot
     config, model_class = _causal_lm_class(source, trust_remote_code)
     if model_class is None or not grouped_kernel():
         return None
-    form = shipped_form(source)
+    form = shipped_form(source, requantize)
     with startup_step(f"read the {role}'s GGUF weights, kept") as note:
         header, _ = read_header(form.path)
         expected = {name: (tuple(entry["shape"]), _dtype(entry["dtype"]))
@@ -290,9 +312,10 @@ def _swap(model: nn.Module, packed: dict[str, dict[str, torch.Tensor]]) -> None:
             setattr(parent, child, GroupedLinear(weight, layer.bias))
 
 
-def use_shipped_weights(model: nn.Module, source: ModelSource) -> int:
-    """Swap `model`'s linear layers and input embedding for grouped ones packed from its GGUF, in place (CPU models
-    only). Returns how many; a layer's bias moves with it, its float weight is dropped."""
+def use_shipped_weights(model: nn.Module, source: ModelSource, requantize: int | None = None) -> int:
+    """Swap `model`'s linear layers and input embedding for grouped ones packed from its GGUF (`requantize`: as
+    `pack_from_gguf`'s), in place (CPU models only). Returns how many; a layer's bias moves with it, its float
+    weight is dropped."""
     from ..cpu.grouped import GroupedLinear, grouped_kernel
 
     if any(isinstance(m, GroupedLinear) for m in model.modules()):
@@ -300,7 +323,7 @@ def use_shipped_weights(model: nn.Module, source: ModelSource) -> int:
     param = next(model.parameters())
     if param.device.type != "cpu" or not grouped_kernel():
         return 0
-    packed = packed_layers(model, source)
+    packed = packed_layers(model, source, requantize)
     swapped = len(packed)
     _swap(model, packed)
     if swapped:

@@ -187,6 +187,15 @@ class LlamaServer:
         return run
 
 
+def pair_form(weights: str) -> dict:
+    """load_pair's `weights` and `draft_quantization` for one of --weights: "shipped", "float", or either with
+    "+int4" (a 4-bit draft beside it)."""
+    form, _, draft = weights.partition("+")
+    if form not in ("shipped", "float") or draft not in ("", "int4"):
+        raise ValueError(f"--weights takes shipped or float, each with an optional +int4, got {weights!r}")
+    return {"weights": form, "draft_quantization": draft or "int8"}
+
+
 def ours_run(decoder, ids: list[int], *, method: str, tokens: int, gamma: int | None, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0) -> dict:
     """One run of ours in-process, EOS ignored (gamma None: adaptive gamma): the same figures as
@@ -246,7 +255,8 @@ def markdown(report: dict) -> str:
              f"as shipped. Server commands: " + "; ".join(f"`{c}`" for c in report["server_commands"].values()), "",
              (f"specdec: the default pair as the service loads it, with each of `weights` = "
               f"{', '.join(report.get('weights', ['float']))} (specdec-<weights> below; shipped: the GGUF's own 4-, "
-              f"5-, 6- and 8-bit groups; float: dequantized, float32 target, int8 draft), gamma {report['gamma']} "
+              f"5-, 6- and 8-bit groups; float: dequantized, float32 target, int8 draft; +int4: the draft in 4-bit "
+              f"groups, `draft_quantization = \"int4\"`), gamma {report['gamma']} "
               f"(google-adaptive: chosen each round), "
               f"{report['threads']} torch threads, in-process. Same tokens: against the first weights' target-only."
               if any(c.startswith("specdec") for c in report["summary"]) else "specdec: not run (`--no-ours`)."),
@@ -311,7 +321,7 @@ def measure(args, server: Path, models: dict[str, Path], logs: Path) -> tuple[li
     items = {item["id"]: item for item in load_prompts(DEFAULT_PROMPTS)}
     decoders = {}
     for weights in args.weights if args.ours else ():
-        draft, target, tokenizer = load_pair(device="cpu", weights=weights)
+        draft, target, tokenizer = load_pair(device="cpu", **pair_form(weights))
         decoders[weights] = SpeculativeDecoder(draft, target, tokenizer)
     if not decoders:  # the target's tokenizer alone, as load_pair gives it: the same token ids without our pair in memory
         _, target_dir = default_pair.default_pair_paths(prepare=False)
@@ -366,7 +376,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-max", type=int, default=8, help="llama.cpp's --spec-draft-n-max")
     parser.add_argument("--context", type=int, default=4096, help="llama-server's -c")
     parser.add_argument("--weights", type=lambda v: v.split(","), default=["shipped", "float"],
-                        help="our pair's weights, comma-separated (load_pair's `weights`), each measured")
+                        help="our pair's weights, comma-separated (load_pair's `weights`, with `+int4` for a 4-bit "
+                             "draft: shipped+int4), each measured")
     parser.add_argument("--no-ours", dest="ours", action="store_false",
                         help="llama.cpp alone (our pair takes about 9 GB of memory beside it)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default); else sampled, "

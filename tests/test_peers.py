@@ -211,3 +211,12 @@ def test_summary_and_table_rows():
     assert rows[3] == "| specdec | target | 4.0 | 2.0 | - | 4/4 |"
     separator = table.splitlines()[table.splitlines().index(rows[0]) + 1]
     assert all(line.count("|") == rows[0].count("|") for line in rows + [separator])
+
+
+def test_our_weights_name_the_pairs_form_and_an_optional_4bit_draft():
+    assert peers.pair_form("shipped") == {"weights": "shipped", "draft_quantization": "int8"}
+    assert peers.pair_form("shipped+int4") == {"weights": "shipped", "draft_quantization": "int4"}
+    assert peers.pair_form("float+int4") == {"weights": "float", "draft_quantization": "int4"}
+    for bad in ("shipped+int2", "int4", "shipped+int8"):
+        with pytest.raises(ValueError, match="--weights"):
+            peers.pair_form(bad)

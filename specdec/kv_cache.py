@@ -74,6 +74,13 @@ class GrowingLayer(DynamicLayer):
         self._storage = None
         super().reset()
 
+    def compact(self) -> None:
+        """Keys and values of exactly the positions held, the room released (a cache kept between requests,
+        `PromptCache.put`); the next update makes room again."""
+        if getattr(self, "_storage", None) is not None:
+            self.keys, self.values = self.keys.clone(), self.values.clone()
+            self._storage = None
+
     def __copy__(self) -> "GrowingLayer":
         """A shallow copy (the prompt cache's `prefix_copy`) shares no buffers: its first update copies what it holds
         into its own."""

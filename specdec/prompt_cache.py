@@ -201,6 +201,10 @@ class PromptCache:
             return False
         if any(cache_length(cache) > len(token_ids) or not reusable(cache) for cache in caches.values()):
             raise ValueError("a prompt cache entry must hold a prefix of its token ids, in full-attention caches")
+        for cache in caches.values():  # a kept cache holds its positions only: a growing layer's room goes
+            for layer in cache.layers:
+                if hasattr(layer, "compact"):
+                    layer.compact()
         entry = Entry(list(token_ids), caches, sum(cache_bytes(cache) for cache in caches.values()))
         if entry.nbytes > self.budget:
             return False

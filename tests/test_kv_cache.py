@@ -104,3 +104,22 @@ def test_a_prefix_copy_of_a_growing_cache_shares_nothing_with_it():
     source.rollback(4)
     source.forward([60, 61, 62, 63])
     assert torch.equal(copy.cache.layers[0].keys[..., :4, :], before[0][0][..., :4, :])
+
+
+def test_a_kept_cache_holds_its_positions_only_and_grows_again_when_extended():
+    """The prompt cache keeps a growing cache without its room (its byte count is the positions' bytes), and a
+    request that takes it back extends it with the same logits as the library's cache."""
+    from specdec.prompt_cache import PromptCache, cache_bytes
+
+    model = make_model("llama", seed=4)
+    ids = list(range(3, 23))
+    growing, plain = CachedModel(model), plain_cached(model)
+    growing.forward(ids[:15])
+    plain.forward(ids[:15])
+    assert cache_bytes(growing.cache) > cache_bytes(plain.cache)  # the room
+    store = PromptCache(budget=10**9)
+    assert store.put(ids[:15], {"target": growing.cache})
+    assert cache_bytes(growing.cache) == cache_bytes(plain.cache)
+    taken = store.take(ids)["target"]
+    assert taken is growing.cache and growing.length == 15
+    assert torch.equal(growing.forward(ids[15:], keep=5), plain.forward(ids[15:], keep=5))

@@ -36,9 +36,9 @@ class GrowingLayer(DynamicLayer):
     no other cache ever sees these buffers. The values attended to are those DynamicLayer holds: only where they
     live differs (and SDPA's results do not depend on it: verification already attends to slices of the cache)."""
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
-        self._storage = None
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._storage = None  # (keys, values) buffers, or None until the next update makes them
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +62,7 @@ class GrowingLayer(DynamicLayer):
 
     def _in_storage(self, key_states: torch.Tensor, value_states: torch.Tensor, held: int, length: int) -> bool:
         """Whether the held keys and values are the leading views of this layer's buffers and `length` fits."""
-        storage = getattr(self, "_storage", None)
+        storage = self._storage
         if storage is None or length > storage[0].shape[-2]:
             return False
         return all(t.shape[:-2] == new.shape[:-2] and t.shape[-1] == new.shape[-1] and t.dtype == new.dtype
@@ -77,7 +77,7 @@ class GrowingLayer(DynamicLayer):
     def compact(self) -> None:
         """Keys and values of exactly the positions held, the room released (a cache kept between requests,
         `PromptCache.put`); the next update makes room again."""
-        if getattr(self, "_storage", None) is not None:
+        if self._storage is not None:
             self.keys, self.values = self.keys.clone(), self.values.clone()
             self._storage = None
 

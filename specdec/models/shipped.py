@@ -172,8 +172,7 @@ def shipped_form(source: ModelSource, requantize: int | None = None) -> ReadyFor
     import gguf
 
     folder = Path(source.path).resolve()
-    form = "shipped" if requantize is None else f"shipped-int{requantize}"
-    key = {"form": form, "format": READY_FORMAT, "gguf": getattr(gguf, "__version__", "?"),
+    key = {"form": "shipped", "requantize": requantize, "format": READY_FORMAT, "gguf": getattr(gguf, "__version__", "?"),
            "code": _code(), "source": fingerprint(folder), "machine": platform.machine()}
     return ReadyForm(shipped_form_path(folder, requantize), key)
 

@@ -11,6 +11,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .fused_forward import fused_forward
+
 GROWTH_MIN = 256  # positions a GrowingLayer's buffers gain at least when they grow
 
 
@@ -110,6 +112,7 @@ class CachedModel:
             if hasattr(cache, "activate_past_recording"):
                 cache.activate_past_recording()  # sliding-window layers must be able to roll back
         self.cache = cache
+        self._fused = fused_forward(model)  # Llama and Qwen2: the library's forward, fused (fused_forward.py)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     @property
@@ -121,6 +124,8 @@ class CachedModel:
     def forward(self, tokens: list[int], keep: int = 1) -> torch.Tensor:
         """Feed `tokens` (not yet cached) and return the logits of the last `keep` positions, (keep, V)."""
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        if self._fused is not None:
+            return self._fused(ids, self.cache, keep)
         kwargs = {"logits_to_keep": keep} if self._keeps_logits else {}
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, **kwargs)
         return out.logits[0, -keep:]

@@ -688,3 +688,31 @@ def test_draft_forms_report_pairs_each_prompt_and_counts_acceptance():
     assert summary["summary"]["draft-int4 / draft-int8"]["median"] == pytest.approx(1.2)
     assert (summary["acceptance_lower"], summary["acceptance_higher"]) == (1, 1)
     assert "| google-int4 / google-int8 | 1.10x | 0.80-1.20x |" in text and "python -m bench.draft_forms" in text
+
+
+def test_fused_forward_bench_switches_the_forward_and_reports_paired_ratios():
+    """bench.fused_forward: "library" runs CachedModel without the fused forward and gives it back after; ratios are
+    taken within each prompt, and runs whose tokens differ between the forwards are counted."""
+    from argparse import Namespace
+
+    from bench.fused_forward import forward_path, report
+    from specdec.kv_cache import CachedModel
+    from tests.support.models import make_model
+
+    model = make_model("llama")
+    with forward_path("library"):
+        assert CachedModel(model)._fused is None
+    with forward_path("fused"):
+        assert CachedModel(model)._fused is not None
+    assert CachedModel(model)._fused is not None
+    rows = [{"prompt": "a", "repeat": 0, "target-library": 10.0, "target-fused": 11.0, "google-library": 20.0,
+             "google-fused": 24.0, "target-same-tokens": True, "google-same-tokens": True},
+            {"prompt": "b", "repeat": 0, "target-library": 5.0, "target-fused": 6.0, "google-library": 4.0,
+             "google-fused": 4.0, "target-same-tokens": True, "google-same-tokens": False}]
+    args = Namespace(threads=2, draft_quantization="int8", tokens=48, gamma=4)
+    summary, text = report(rows, "python -m bench.fused_forward", "now", args)
+    assert summary["summary"]["target: fused / library"] == {"median": pytest.approx(1.15), "low": pytest.approx(1.1),
+                                                             "high": pytest.approx(1.2)}
+    assert summary["summary"]["google / target, fused"]["low"] == pytest.approx(4.0 / 6.0)
+    assert summary["tokens_differ"] == {"target": 0, "google": 1}
+    assert "| google: fused / library | 1.10x | 1.00-1.20x |" in text

@@ -86,6 +86,16 @@ class _Joined:
     def __call__(self, rows: torch.Tensor) -> list[torch.Tensor]:
         return list(_grouped_call(self, rows).split(self.sizes, dim=1))
 
+    def current(self) -> bool:
+        """Whether the modules still hold views of the joined weights (not if the model was moved or its buffers
+        replaced since: the joined ones would be stale)."""
+        start = self.q.data_ptr()
+        for module in self.modules:
+            if module.q.data_ptr() != start:
+                return False
+            start += module.q.numel() * module.q.element_size()
+        return True
+
 
 class _Projections:
     """Linear layers that read the same input, in order: runs of grouped ones with one layout joined (`_Joined`),
@@ -157,6 +167,11 @@ class FusedForward:
         self.config = self.inner.config
         self.layers = [_Layer(layer) for layer in self.inner.layers[: self.config.num_hidden_layers]]
         self.sliding = getattr(self.inner, "has_sliding_layers", False)
+
+    def current(self) -> bool:
+        """Whether every joined projection still matches its modules' weights (`_Joined.current`)."""
+        return all(part.current() for layer in self.layers for projections in (layer.qkv, layer.gate_up)
+                   for part in projections.parts if isinstance(part, _Joined))
 
     def __call__(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
         """The logits (keep, V) of the last `keep` of ids (1, n), fed after what `cache` holds (it takes their
@@ -231,9 +246,12 @@ def _hooked(model: nn.Module) -> bool:
 
 
 def fused_forward(model: nn.Module) -> FusedForward | None:
-    """The model's FusedForward (made once, then kept on the model as `specdec_forward`), or None where the model
-    is not one it reproduces (`supports`), also once hooks have been added since."""
+    """The model's FusedForward (made once, then kept on the model as `specdec_forward`, made again if the model's
+    weights were moved or replaced since), or None where the model is not one it reproduces (`supports`), also once
+    hooks have been added since."""
     forward = model.__dict__.get("specdec_forward")
+    if forward is not None and not forward.current():  # moved, or its weights replaced: join them again
+        forward = None
     if forward is None and supports(model):
         forward = FusedForward(model)
         model.__dict__["specdec_forward"] = forward

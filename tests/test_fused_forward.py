@@ -129,3 +129,18 @@ def test_hooks_added_later_bring_the_librarys_forward_back():
     assert fused_forward(model) is None and CachedModel(model)._fused is None
     hook.remove()
     assert fused_forward(model) is not None
+
+
+@needs_kernel
+def test_weights_replaced_after_joining_are_joined_again():
+    """A model whose modules were given new weight tensors (moved, or swapped) after its projections were joined:
+    the fused forward joins the new ones, and still gives the library forward's logits."""
+    model = grouped(make_model("llama", seed=8, hidden=64))
+    first = fused_forward(model)
+    for module in model.modules():
+        if isinstance(module, GroupedLinear):
+            module._buffers["q"] = module.q.clone()  # what .to() does: new tensors, one per buffer
+    again = fused_forward(model)
+    assert again is not first and again.current()
+    expected, got = run_both(model, seed=4)
+    assert_bitwise(expected, got)

@@ -157,6 +157,10 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
                              "bfloat16 target), 2.5-3x cheaper; a draft from a GGUF file keeps its own weights. "
                              "int4: 4-bit groups for the grouped CPU kernel (a GGUF draft's wider layers "
                              "requantized). Outputs stay exactly the target's. none: the draft as loaded")
+    parser.add_argument("--draft_vocab_size", default="auto",
+                        help="auto (default: 65536 for the default pair, else the whole vocabulary), 0 (the whole "
+                             "vocabulary) or N: the draft proposes among its first N token ids and the special "
+                             "tokens only; outputs stay exactly the target's")
     parser.add_argument("--weights", default="shipped", type=str.lower, choices=("shipped", "float"),
                         help="shipped (default): a model from a GGUF file (the default pair) computes with the GGUF's "
                              "own 4- and 8-bit weights on CPU; float: weights dequantized to float")
@@ -299,7 +303,8 @@ def run(args, out=None) -> int:
                                          dtype=args.dtype, device_map=args.device_map,
                                          trust_remote_code=args.trust_remote_code,
                                          draft_quantization=args.draft_quantization, compile=args.compile,
-                                         weights=args.weights, quantize=args.quantize)
+                                         weights=args.weights, quantize=args.quantize,
+                                         draft_vocab_size=args.draft_vocab_size)
     decoder = SpeculativeDecoder(draft, target, tokenizer, lookup=lookup)
     if not args.input:
         raise SpecDecError("the input is empty", field="input")

@@ -127,12 +127,16 @@ class ModelDrafter:
         self.confidence_threshold = confidence_threshold
 
     def draw(self, seq: list[int], generator: torch.Generator,
-             allowed: torch.Tensor | None = None) -> tuple[int, torch.Tensor, bool]:
+             allowed: torch.Tensor | None = None) -> tuple[int, torch.Tensor, bool] | None:
         """The draft's next token after seq, the distribution q it was drawn from, and whether the run may go on
         after it (the draft's probability of it reaches confidence_threshold). `allowed`: a grammar's (V,) mask,
-        applied to the logits before temperature, top-k and top-p, as for the target."""
+        applied to the logits before temperature, top-k and top-p, as for the target; None where the draft gives
+        every allowed token probability 0 (a draft over part of the vocabulary, models/draft_vocab.py): no proposal."""
         logits = self.forward(self.model, seq[self.model.length:])[-1]
-        q = self.probs(logits if allowed is None else mask_logits(logits, allowed))
+        masked = logits if allowed is None else mask_logits(logits, allowed)
+        if allowed is not None and not bool(torch.isfinite(masked).any()):
+            return None
+        q = self.probs(masked)
         token = sample(q, generator)
         go_on = (self.confidence_threshold <= 0
                  or token_probability(logits[: q.size(-1)], token) >= self.confidence_threshold)
@@ -313,7 +317,10 @@ class GuidedDrafter:
                 return token, None, "lookup", True
             if not self.mixed:
                 return None
-        token, q, go_on = self.model.draw(seq, generator, allowed)
+        drawn = self.model.draw(seq, generator, allowed)
+        if drawn is None:
+            return None
+        token, q, go_on = drawn
         return token, q, "model", go_on
 
     def propose(self, ids: list[int], gamma: int, limit: int, generator_at) -> Proposal:

@@ -17,7 +17,7 @@ LAYERS = {
 }
 # Model loading, one module per job: a module of specdec.models may import only those before it.
 MODELS = ("startup", "cache", "checkpoint", "default_pair", "weights", "sources", "tokenizers", "memory",
-          "quantization", "kernels", "load", "shipped", "pair")
+          "quantization", "kernels", "load", "shipped", "draft_vocab", "pair")
 # The modules that must stay free of torch (make serve checks the cache with them before torch is imported).
 TORCH_FREE = ("specdec.models.cache", "specdec.models.checkpoint", "specdec.models.default_pair",
               "specdec.models.startup", "specdec.default_pair")

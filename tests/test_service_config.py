@@ -44,6 +44,24 @@ def test_quantize_from_the_file_and_the_environment():
         load_settings(environ={"SPECDEC_QUANTIZE": "int3"})
 
 
+def test_draft_vocab_size_from_the_file_and_the_environment(monkeypatch):
+    assert load_settings(environ={}).draft_vocab_size is None  # config/default.toml: "auto"
+    assert load_settings(environ={"SPECDEC_DRAFT_VOCAB_SIZE": "32768"}).draft_vocab_size == 32768
+    assert load_settings(environ={"SPECDEC_DRAFT_VOCAB_SIZE": "0"}).draft_vocab_size == 0
+    for bad in ("-1", "lots"):
+        with pytest.raises(ConfigError, match="draft_vocab_size"):
+            load_settings(environ={"SPECDEC_DRAFT_VOCAB_SIZE": bad})
+    # the loader hands it to load_pair as it is, "auto" where unset
+    from specdec.serve import loader
+
+    seen = {}
+    monkeypatch.setattr("specdec.models.pair.load_pair", lambda **kwargs: seen.update(kwargs))
+    loader.load_configured_pair(load_settings(environ={}))
+    assert seen["draft_vocab_size"] == "auto"
+    loader.load_configured_pair(load_settings(environ={"SPECDEC_DRAFT_VOCAB_SIZE": "4096"}))
+    assert seen["draft_vocab_size"] == 4096
+
+
 def test_drafter_and_verification_from_the_environment():
     settings = load_settings(environ={"SPECDEC_DRAFTER": "Hybrid", "SPECDEC_VERIFICATION": "block"})
     assert (settings.sampling.drafter, settings.sampling.verification) == ("hybrid", "block")

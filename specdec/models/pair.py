@@ -10,6 +10,7 @@ SpecDecError sentence.
 
 from ..compiled import MAX_WIDTH, compile_model, resolve_compile
 from ..errors import SpecDecError
+from .draft_vocab import limit_draft_vocab, resolve_draft_vocab_size
 from .kernels import apply_cpu_kernels, layer_kinds
 from .load import load_draft, load_model, read_soon
 from .memory import release_free_memory
@@ -25,7 +26,7 @@ from .shipped import (
     shipped_applies,
     use_shipped_weights,
 )
-from .sources import resolve_device, resolve_dtype, resolve_source
+from .sources import names_default_pair, resolve_device, resolve_dtype, resolve_source
 from .startup import startup_step
 from .tokenizers import load_and_check_tokenizers
 
@@ -33,7 +34,7 @@ from .tokenizers import load_and_check_tokenizers
 def load_pair(draft: str | None = None, target: str | None = None, device: str = "auto", dtype: str = "auto",
               device_map=None, trust_remote_code: bool = False, cpu_kernels: bool = True,
               draft_quantization: str | None = "int8", compile: str | bool = "auto", weights: str = "shipped",
-              quantize: str | None = "none"):
+              quantize: str | None = "none", draft_vocab_size: int | str | None = "auto"):
     """(draft_model, target_model, tokenizer) ready for SpeculativeDecoder; None or "default" is the default pair.
 
     `device_map` (e.g. "auto") spreads the target over several GPUs with accelerate; the draft stays on `device`.
@@ -69,6 +70,10 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     per group, or 8 bits symmetric. This changes the model: speculative decoding then samples exactly the quantized
     target's distribution, not the float one's. A quantized draft is not quantized again (draft_quantization).
 
+    `draft_vocab_size`: the draft's output layer over its first N token ids and the special tokens only, every
+    other logit -inf (models/draft_vocab.py): cheaper proposals, the output still exactly the target's. "auto"
+    (default): 65,536 for the default pair, whose draft measured faster so; 0: the whole vocabulary.
+
     Each step logs one line with its seconds ("start-up: ...").
     """
     from ..engine import check_vocabularies
@@ -88,6 +93,7 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
         bits = {role: (4 if quantize == "int4" else 8) if applies and not (shipped and gguf_origin(source)) else None
                 for role, source in (("draft", draft_source), ("target", target_source))}
         draft_requantize = None  # a shipped draft's wider layers requantized to 4 bits
+        draft_vocab_size = resolve_draft_vocab_size(draft_vocab_size, default_pair=names_default_pair(draft))
         if shipped and gguf_origin(draft_source) is not None:
             draft_requantize = 4 if draft_quantization == "int4" else None
             draft_quantization = "none"  # its own low-bit weights instead
@@ -141,6 +147,10 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
         apply_cpu_kernels(draft_model, target_model, draft_quantization, cpu_kernels)
         release_free_memory()
         note["detail"] = f"draft: {layer_kinds(draft_model)}; target: {layer_kinds(target_model)}"
+    if draft_vocab_size:
+        with startup_step("the draft's vocabulary") as note:
+            rows = limit_draft_vocab(draft_model, tokenizer, draft_vocab_size)
+            note["detail"] = f"{rows} of {vocab_size} logits computed" if rows else "the whole vocabulary"
     if compiled:
         for role, model in (("draft", draft_model), ("target", target_model)):
             with startup_step(f"compiled the {role}'s forwards of 1 to {MAX_WIDTH} tokens") as note:

@@ -82,10 +82,15 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device 
         raise SpecDecError(f"dtype must be auto, float32, float16 or bfloat16, got {dtype!r}", field="dtype") from None
 
 
+def names_default_pair(name: str | None) -> bool:
+    """Whether a model argument names a model of the default pair (None, "default" or an alias)."""
+    return name is None or name == DEFAULT or name.lower() in ALIASES
+
+
 def resolve_source(name: str | None, role: str) -> ModelSource:
     """Turn a model argument into a ModelSource; the default pair is prepared (converted once) on first use."""
     field = f"{role}_model"
-    if name is None or name == DEFAULT or name.lower() in ALIASES:
+    if names_default_pair(name):
         from .default_pair import default_pair_paths
 
         alias_role = role if name is None or name == DEFAULT else ALIASES[name.lower()]

@@ -42,6 +42,7 @@ class Settings(BaseModel):
     compile: Literal["auto", "true", "false"]
     weights: Literal["shipped", "float"]
     quantize: Literal["none", "int4", "int8"]
+    draft_vocab_size: int | None = Field(ge=0)  # None ("auto"): 65,536 for the default pair, else the whole vocabulary
     method: Literal[SERVED_METHODS]
     drafter: Literal[DRAFTERS]
     verification: Literal[VERIFICATIONS]
@@ -86,7 +87,7 @@ class Settings(BaseModel):
             return None
         return value
 
-    @field_validator("prompt_cache_bytes", mode="before")
+    @field_validator("prompt_cache_bytes", "draft_vocab_size", mode="before")
     @classmethod
     def _auto(cls, value):
         if isinstance(value, str) and value.strip().lower() in ("auto", "none", "null"):

@@ -130,7 +130,8 @@ def load_configured_pair(settings: Settings):
 
     return load_pair(draft=settings.draft_model, target=settings.target_model, device=settings.device,
                      dtype=settings.dtype, draft_quantization=settings.draft_quantization, compile=settings.compile,
-                     weights=settings.weights, quantize=settings.quantize)
+                     weights=settings.weights, quantize=settings.quantize,
+                     draft_vocab_size="auto" if settings.draft_vocab_size is None else settings.draft_vocab_size)
 
 
 def prompt_cache_budget(settings: Settings, draft, target) -> int:

@@ -716,3 +716,20 @@ def test_fused_forward_bench_switches_the_forward_and_reports_paired_ratios():
     assert summary["summary"]["google / target, fused"]["low"] == pytest.approx(4.0 / 6.0)
     assert summary["tokens_differ"] == {"target": 0, "google": 1}
     assert "| google: fused / library | 1.10x | 1.00-1.20x |" in text
+
+
+def test_draft_vocab_report_pairs_each_prompt_and_counts_differing_tokens():
+    """bench.draft_vocab: each size's Google against the whole vocabulary's, within each prompt; mean acceptance
+    per size; runs whose tokens differ from target-only's counted."""
+    from bench.draft_vocab import report
+
+    rows = [{"prompt": "a", "repeat": 0, "target": 10.0, "differ": 0, "google-0": 20.0, "acceptance-0": 0.9,
+             "google-65536": 22.0, "acceptance-65536": 0.9},
+            {"prompt": "b", "repeat": 0, "target": 10.0, "differ": 1, "google-0": 10.0, "acceptance-0": 0.5,
+             "google-65536": 10.0, "acceptance-65536": 0.4}]
+    summary, text = report(rows, [65536], "python -m bench.draft_vocab", "now")
+    assert summary["summary"]["google 65536 / google whole"] == {"median": pytest.approx(1.05),
+                                                                 "low": pytest.approx(1.0), "high": pytest.approx(1.1)}
+    assert summary["acceptance"] == {0: pytest.approx(0.7), 65536: pytest.approx(0.65)}
+    assert summary["differ"] == 1
+    assert "| google 65536 / target | 1.60x | 1.00-2.20x |" in text

@@ -102,22 +102,27 @@ class PartialHead(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, computed: {spans}"
 
 
-def limit_draft_vocab(draft: nn.Module, tokenizer, size: int) -> int:
-    """Give the draft an output layer over its first `size` ids and the tokenizer's special tokens (a PartialHead),
-    where its output layer is a grouped or a float linear one and `size` leaves some out. Returns the logits it
-    computes (0: unchanged)."""
-    head = draft.get_output_embeddings()
+def partial_head(head: nn.Module, tokenizer, size: int) -> PartialHead | None:
+    """`head` over its first `size` ids and the tokenizer's special tokens, or None where `size` leaves none out or
+    the head is not a grouped or a float linear one (said in a warning)."""
     vocab = getattr(head, "out_features", None)
     if size <= 0 or vocab is None or size >= vocab:
-        return 0
+        return None
     if type(head) not in (GroupedLinear, nn.Linear):
         logger.warning("draft_vocab_size applies to a grouped or float output layer; the draft's is %s: it keeps "
                        "its whole vocabulary", type(head).__name__)
-        return 0
+        return None
     align = TILE if type(head) is GroupedLinear else 1
     special = [i for i in getattr(tokenizer, "added_tokens_decoder", {}) if i >= size]
     special += [i for i in getattr(tokenizer, "all_special_ids", []) if i >= size]
-    ranges = _ranges(list(range(0, size, align)) + [i for i in special if i < vocab], align, vocab)
-    partial = PartialHead(head, ranges)
+    return PartialHead(head, _ranges(list(range(0, size, align)) + [i for i in special if i < vocab], align, vocab))
+
+
+def limit_draft_vocab(draft: nn.Module, tokenizer, size: int) -> int:
+    """Give the draft its `partial_head` as output layer, where it has one. Returns the logits it computes (0:
+    unchanged)."""
+    partial = partial_head(draft.get_output_embeddings(), tokenizer, size)
+    if partial is None:
+        return 0
     draft.set_output_embeddings(partial)
     return partial.rows

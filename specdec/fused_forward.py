@@ -22,7 +22,7 @@ import sys
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cpu.grouped import GroupedLinear
@@ -153,10 +153,9 @@ class _Layer:
         self.gate_up = _Projections([mlp.gate_proj, mlp.up_proj])
         # the modeling file's own apply_rotary_pos_emb, as the library's attention calls it
         self.rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
-        # Qwen2 passes its layer's sliding window to the attention function; Llama passes nothing
+        # Qwen2 passes its layer's sliding window (None here) to the attention function; Llama passes nothing
         self.attention_kwargs = {"sliding_window": attention.sliding_window} \
             if hasattr(attention, "sliding_window") else {}
-        self.layer_type = getattr(attention, "layer_type", None)
 
 
 class FusedForward:
@@ -166,7 +165,6 @@ class FusedForward:
         self.model, self.inner = model, model.model
         self.config = self.inner.config
         self.layers = [_Layer(layer) for layer in self.inner.layers[: self.config.num_hidden_layers]]
-        self.sliding = getattr(self.inner, "has_sliding_layers", False)
 
     def current(self) -> bool:
         """Whether every joined projection still matches its modules' weights (`_Joined.current`)."""
@@ -182,14 +180,11 @@ class FusedForward:
         position_ids = (torch.arange(n, device=hidden.device) + cache.get_seq_length()).unsqueeze(0)
         mask_kwargs = {"config": config, "inputs_embeds": hidden, "attention_mask": None, "cache": cache,
                        "position_ids": position_ids}
-        masks = {"full_attention": create_causal_mask(**mask_kwargs)}
-        if self.sliding:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+        mask = create_causal_mask(**mask_kwargs)
         position_embeddings = inner.rotary_emb(hidden, position_ids)
         attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)
         for index, layer in enumerate(self.layers):
-            hidden = self._layer(layer, index, hidden, masks[layer.layer_type or "full_attention"]
-                                 if self.sliding else masks["full_attention"], position_embeddings, cache, attend)
+            hidden = self._layer(layer, index, hidden, mask, position_embeddings, cache, attend)
         hidden = inner.norm(hidden)
         last = hidden[:, -keep:, :]
         lm_head = self.model.lm_head
@@ -227,7 +222,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
 
 def supports(model: nn.Module) -> bool:
     """Whether `fused_forward` reproduces this model's forward: a Llama or Qwen2 causal LM (their decoder layers,
-    nothing put between them), on one device without accelerate's hooks, in inference."""
+    nothing put between them, no sliding-window layers), on one device without accelerate's hooks, in inference."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not len(layers) or model.training:
@@ -235,6 +230,8 @@ def supports(model: nn.Module) -> bool:
     if type(model).__name__ not in {"LlamaForCausalLM", "Qwen2ForCausalLM"}:
         return False
     if any(type(layer).__name__ not in LAYERS for layer in layers):
+        return False
+    if getattr(inner, "has_sliding_layers", False):  # sliding-window layers: not reproduced here (untested)
         return False
     return not _hooked(model)
 

@@ -144,3 +144,14 @@ def test_weights_replaced_after_joining_are_joined_again():
     assert again is not first and again.current()
     expected, got = run_both(model, seed=4)
     assert_bitwise(expected, got)
+
+
+def test_a_qwen2_model_with_sliding_window_layers_keeps_the_librarys_forward():
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.models import tiny_config
+
+    config = tiny_config("qwen2")
+    config.use_sliding_window, config.sliding_window = True, 4
+    config.layer_types = ["full_attention", "sliding_attention"]
+    assert fused_forward(AutoModelForCausalLM.from_config(config).eval()) is None

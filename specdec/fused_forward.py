@@ -25,34 +25,20 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .cpu.grouped import GroupedLinear
-from .cpu.grouped import Tiled as _Tiled
+from .cpu.grouped import TILE, GroupedLinear, Tiled, grouped_rows
 
 # The decoder layers whose forward this one reproduces operation by operation (their modeling files read alike).
 LAYERS = {"LlamaDecoderLayer", "Qwen2DecoderLayer"}
-_GROUPED_BUFFERS = _Tiled.BUFFERS  # q, scale, scale_unit, minimum, minimum_unit: [rows / 16, ...] each
-_TILE = 16
-
-
-def _grouped_call(module: GroupedLinear, rows: torch.Tensor) -> torch.Tensor:
-    """GroupedLinear.forward on (n, K) float32 rows, without the module call: (n, out_features)."""
-    out = torch.ops.specdec_grouped.grouped_linear(rows, module.q, module.scale, module.scale_unit, module.minimum,
-                                                   module.minimum_unit, module.bits, module.group)
-    if out.shape[1] != module.out_features:
-        out = out[:, :module.out_features]
-    if module.bias is not None:
-        out = out + module.bias
-    return out
 
 
 def _same_layout(a: GroupedLinear, b: GroupedLinear) -> bool:
     """Whether two grouped linears' weights can be held as one: the same bits, groups, input width, the same
     kinds of scales, and whole tiles of rows (b may end in padding: it comes last)."""
-    if (a.bits, a.group, a.in_features) != (b.bits, b.group, b.in_features) or a.out_features % _TILE:
+    if (a.bits, a.group, a.in_features) != (b.bits, b.group, b.in_features) or a.out_features % TILE:
         return False
     if (a.bias is None) != (b.bias is None):
         return False
-    for name in _GROUPED_BUFFERS:
+    for name in Tiled.BUFFERS:  # each [rows / 16, ...]
         x, y = getattr(a, name), getattr(b, name)
         if (x is None) != (y is None) or (x is not None and (x.dtype != y.dtype or x.shape[1:] != y.shape[1:]
                                                              or x.device != y.device)):
@@ -71,7 +57,7 @@ class _Joined:
         self.out_features = sum(self.sizes)
         self.bits, self.group = first.bits, first.group
         self.bias = None if first.bias is None else torch.cat([m.bias for m in modules])
-        for name in _GROUPED_BUFFERS:
+        for name in Tiled.BUFFERS:
             if getattr(first, name) is None:
                 setattr(self, name, None)
                 continue
@@ -84,7 +70,7 @@ class _Joined:
                 start += tiles
 
     def __call__(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        return list(_grouped_call(self, rows).split(self.sizes, dim=1))
+        return list(grouped_rows(self, rows).split(self.sizes, dim=1))
 
     def current(self) -> bool:
         """Whether the modules still hold views of the joined weights (not if the model was moved or its buffers
@@ -122,8 +108,7 @@ class _Projections:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x (1, n, K) -> each projection's (1, n, out)."""
-        n = x.shape[1]
-        rows = x.reshape(n, -1) if x.dtype == torch.float32 and x.is_contiguous() else None
+        n, rows = x.shape[1], _rows(x)
         outputs = []
         for part in self.parts:
             if isinstance(part, _Joined) and rows is not None:
@@ -138,7 +123,7 @@ class _Projections:
 def _linear(module: nn.Module, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     """module(x) for x (1, n, K); a grouped one's operator called directly where x's rows are float32."""
     if type(module) is GroupedLinear and rows is not None:
-        return _grouped_call(module, rows).view(1, rows.shape[0], -1)
+        return grouped_rows(module, rows).view(1, rows.shape[0], -1)
     return module(x)
 
 
@@ -189,7 +174,7 @@ class FusedForward:
         last = hidden[:, -keep:, :]
         lm_head = self.model.lm_head
         if type(lm_head) is GroupedLinear and last.dtype == torch.float32:
-            return _grouped_call(lm_head, last.reshape(keep, -1).contiguous())
+            return grouped_rows(lm_head, last.reshape(keep, -1).contiguous())
         return lm_head(last)[0]
 
     @staticmethod

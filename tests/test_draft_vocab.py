@@ -20,7 +20,6 @@ from specdec.models.draft_vocab import (
 )
 from specdec.params import SamplingParams
 from tests.support.models import make_model
-from tests.support.tiny_lm import TinyCausalLM
 from tests.test_exactness import (
     DRAFTER_SAMPLES,
     HYBRID_PROMPT,
@@ -29,6 +28,7 @@ from tests.test_exactness import (
     draw,
     exact_distribution,
     goodness_of_fit,
+    make_close_pair,
     plain_p,
 )
 
@@ -92,12 +92,7 @@ def test_nothing_changes_where_the_whole_vocabulary_is_asked_for():
 
 def close_pair_over(ranges: list[tuple[int, int]]):
     """The tests' close pair, the draft proposing among the ids of `ranges` only."""
-    target = TinyCausalLM(VOCAB, seed=0, scale=0.5).eval()
-    draft = copy.deepcopy(target)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.2)
+    draft, target = make_close_pair()
     draft.head = PartialHead(draft.head, ranges)
     return draft, target
 

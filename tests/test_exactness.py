@@ -74,6 +74,11 @@ def pair():
 def close_pair():
     """A draft close to the target (its weights plus noise): it is accepted 30-60% of the time under every
     setting, so block verification's inner prefixes and the hybrid's model rounds are exercised."""
+    return make_close_pair()
+
+
+def make_close_pair():
+    """close_pair's models, made afresh (for a test that changes the draft)."""
     target = TinyCausalLM(VOCAB, seed=0, scale=0.5).eval()
     draft = copy.deepcopy(target)
     generator = torch.Generator().manual_seed(1)

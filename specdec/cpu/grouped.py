@@ -329,6 +329,19 @@ def tiled(grouped: Grouped, bits: int | None = None) -> Tiled:
                  bits, grouped.group, grouped.shape)
 
 
+def grouped_rows(layer, rows: torch.Tensor) -> torch.Tensor:
+    """The operator over (n, K) contiguous float32 rows: (n, out_features), padding rows cut, bias added. `layer`:
+    a GroupedLinear, or anything holding the same buffers, bits, group, out_features and bias (the fused forward's
+    joined projections)."""
+    out = torch.ops.specdec_grouped.grouped_linear(rows, layer.q, layer.scale, layer.scale_unit, layer.minimum,
+                                                   layer.minimum_unit, layer.bits, layer.group)
+    if out.shape[1] != layer.out_features:
+        out = out[:, :layer.out_features]
+    if layer.bias is not None:
+        out = out + layer.bias
+    return out
+
+
 class GroupedLinear(nn.Module):
     """A drop-in nn.Linear over a grouped weight: float32 activations in and out, the weight never in float (held
     tiled, as the kernel reads it)."""
@@ -343,13 +356,7 @@ class GroupedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float().contiguous()
-        out = torch.ops.specdec_grouped.grouped_linear(rows, self.q, self.scale, self.scale_unit, self.minimum,
-                                                       self.minimum_unit, self.bits, self.group)
-        if out.shape[1] != self.out_features:
-            out = out[:, :self.out_features]
-        if self.bias is not None:
-            out = out + self.bias
+        out = grouped_rows(self, x.reshape(-1, self.in_features).float().contiguous())
         return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:

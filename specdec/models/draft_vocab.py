@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import nn
 
-from ..cpu.grouped import TILE, GroupedLinear
+from ..cpu.grouped import TILE, GroupedLinear, Tiled
 from ..errors import SpecDecError
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def _grouped_rows(head: GroupedLinear, start: int, stop: int) -> GroupedLinear:
     nn.Module.__init__(part)
     part.in_features, part.out_features = head.in_features, stop - start
     part.bits, part.group = head.bits, head.group
-    for name in ("q", "scale", "scale_unit", "minimum", "minimum_unit"):
+    for name in Tiled.BUFFERS:
         tensor = getattr(head, name)
         part.register_buffer(name, None if tensor is None else tensor[start // TILE: -(-stop // TILE)])
     part.bias = None if head.bias is None else nn.Parameter(head.bias[start:stop], requires_grad=False)

@@ -13,7 +13,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 
 def step_ms(model, cache, context: int, steps: int) -> tuple[float, list[int]]:
@@ -70,6 +69,8 @@ def report(rows: list[dict], command: str, when: str) -> str:
 
 
 def main(argv=None) -> int:
+    from bench.machine import command_line, save_results
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=lambda v: [int(x) for x in v.split(",")], default=[64, 1024, 3072])
     parser.add_argument("--steps", type=int, default=12)
@@ -79,13 +80,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     when = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     rows = measure(args)
-    command = ("python -m bench.cache_growth " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
+    command = command_line("bench.cache_growth", argv)
     markdown = report(rows, command, when)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"command": command, "when": when, "rows": rows}, indent=1))
-    (out / "results.md").write_text(markdown)
-    print(markdown)
+    save_results(args.out, {"command": command, "when": when, "rows": rows}, markdown)
     return 0
 
 

@@ -13,7 +13,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 FORMS = ("int8", "int4")
 
@@ -90,6 +89,8 @@ def report(rows: list[dict], command: str, when: str) -> tuple[dict, str]:
 
 
 def main(argv=None) -> int:
+    from bench.machine import command_line, save_results
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=lambda v: v.split(","), default=None,
                         help="ids of bench/prompts.jsonl, comma-separated (default: all)")
@@ -101,14 +102,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     when = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     rows = measure(args)
-    command = "python -m bench.draft_forms " + " ".join(sys.argv[1:] if argv is None else argv)
-    summary, markdown = report(rows, command.strip(), when)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"command": command, "when": when, **summary, "runs": rows},
-                                                 indent=1))
-    (out / "results.md").write_text(markdown)
-    print(markdown)
+    command = command_line("bench.draft_forms", argv)
+    summary, markdown = report(rows, command, when)
+    save_results(args.out, {"command": command, "when": when, **summary, "runs": rows}, markdown)
     return 0
 
 

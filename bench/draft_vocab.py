@@ -15,7 +15,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 
 def measure(args) -> list[dict]:
@@ -92,6 +91,8 @@ def report(rows: list[dict], sizes: list[int], command: str, when: str) -> tuple
 
 
 def main(argv=None) -> int:
+    from bench.machine import command_line, save_results
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=lambda v: [int(s) for s in v.split(",")], default=[32768, 65536])
     parser.add_argument("--limit", type=int, default=None, help="the first N prompts of bench/prompts.jsonl")
@@ -103,14 +104,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     when = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     rows = measure(args)
-    command = "python -m bench.draft_vocab " + " ".join(sys.argv[1:] if argv is None else argv)
-    summary, markdown = report(rows, args.sizes, command.strip(), when)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"command": command, "when": when, **summary, "runs": rows},
-                                                 indent=1))
-    (out / "results.md").write_text(markdown)
-    print(markdown)
+    command = command_line("bench.draft_vocab", argv)
+    summary, markdown = report(rows, args.sizes, command, when)
+    save_results(args.out, {"command": command, "when": when, **summary, "runs": rows}, markdown)
     return 0
 
 

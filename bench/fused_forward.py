@@ -15,7 +15,6 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 PATHS = ("library", "fused")
 METHODS = ("target", "google")
@@ -105,6 +104,8 @@ def report(rows: list[dict], command: str, when: str, args) -> tuple[dict, str]:
 
 
 def main(argv=None) -> int:
+    from bench.machine import command_line, save_results
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=None, help="the first N prompts of bench/prompts.jsonl")
     parser.add_argument("--tokens", type=int, default=48)
@@ -116,14 +117,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     when = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     rows = measure(args)
-    command = "python -m bench.fused_forward " + " ".join(sys.argv[1:] if argv is None else argv)
-    summary, markdown = report(rows, command.strip(), when, args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"command": command, "when": when, **summary, "runs": rows},
-                                                 indent=1))
-    (out / "results.md").write_text(markdown)
-    print(markdown)
+    command = command_line("bench.fused_forward", argv)
+    summary, markdown = report(rows, command, when, args)
+    save_results(args.out, {"command": command, "when": when, **summary, "runs": rows}, markdown)
     return 0
 
 

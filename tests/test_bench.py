@@ -733,3 +733,14 @@ def test_draft_vocab_report_pairs_each_prompt_and_counts_differing_tokens():
     assert summary["acceptance"] == {0: pytest.approx(0.7), 65536: pytest.approx(0.65)}
     assert summary["differ"] == 1
     assert "| google 65536 / target | 1.60x | 1.00-2.20x |" in text
+
+
+def test_a_benchmark_saves_its_record_and_report_and_names_its_command(tmp_path, capsys):
+    from bench.machine import command_line, save_results
+
+    assert command_line("bench.draft_vocab", ["--limit", "3"]) == "python -m bench.draft_vocab --limit 3"
+    assert command_line("bench.draft_vocab", []) == "python -m bench.draft_vocab"
+    save_results(tmp_path / "run", {"command": "c", "runs": [1]}, "| a |\n")
+    assert json.loads((tmp_path / "run" / "results.json").read_text()) == {"command": "c", "runs": [1]}
+    assert (tmp_path / "run" / "results.md").read_text() == "| a |\n"
+    assert "| a |" in capsys.readouterr().out

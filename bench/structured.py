@@ -5,8 +5,9 @@ tool_choice required, enums).
 
     python -m bench.structured [--limit N] [--repeats R] [--temperature T --top_p P] [--out DIR]
 
-Per method: tokens/s of whole requests and past the first round (paired with constrained target-only on the
-same prompts, with bootstrap intervals over prompts), tokens per target forward, the share of tokens the grammar
+Per method: tokens/s of whole requests, past the first round, and past both models' prefill of the prompt
+(`window`; paired with constrained target-only on the same prompts, with bootstrap intervals over prompts),
+tokens per target forward, the share of tokens the grammar
 forced, the grammar's time per token and its share of the time, and the share of finished outputs that parse
 and validate against their schema (jsonschema). The runs are interleaved per prompt, so drifts of the machine
 fall on every method alike.
@@ -28,14 +29,16 @@ from specdec.grammar import Constraint, GrammarCompiler
 from specdec.serve.structured import Tool, parse_tool_calls, tool_constraint
 from specdec.text import encode_messages
 
-# label: (method, drafter, constrained, forced proposals)
+# label: (method, drafter, constrained, forced proposals, draft confidence threshold)
 METHODS = {
-    "target (constrained)": ("target", "model", True, False),
-    "model, masked": ("google", "model", True, False),
-    "model + grammar": ("google", "model", True, True),
-    "hybrid + grammar": ("google", "hybrid", True, True),
-    "model (unconstrained)": ("google", "model", False, False),
+    "target (constrained)": ("target", "model", True, False, 0.0),
+    "model, masked": ("google", "model", True, False, 0.0),
+    "model + grammar": ("google", "model", True, True, 0.0),
+    "model + grammar, stop 0.6": ("google", "model", True, True, 0.6),
+    "hybrid + grammar": ("google", "hybrid", True, True, 0.0),
+    "model (unconstrained)": ("google", "model", False, False, 0.0),
 }
+WINDOWS = ("whole", "past the first round", "past both prefills")
 BASELINE = "target (constrained)"
 
 
@@ -90,10 +93,11 @@ def main(argv=None):
         grammar = compiler.compile(constraint)
         compile_seconds = time.perf_counter() - start
         for repeat in range(args.repeats):
-            for label, (method, drafter, constrained, forced) in METHODS.items():
+            for label, (method, drafter, constrained, forced, threshold) in METHODS.items():
                 params = SamplingParams(max_new_tokens=args.max_new_tokens, method=method, drafter=drafter,
                                         gamma=args.gamma, temperature=args.temperature, top_p=args.top_p,
-                                        top_k=0, seed=repeat, grammar_drafter=forced)
+                                        top_k=0, seed=repeat, grammar_drafter=forced,
+                                        draft_confidence_threshold=threshold)
                 result = decoder.generate(prompt, params=params, grammar=grammar if constrained else None,
                                           eos_token_id=eos)
                 text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
@@ -103,7 +107,8 @@ def main(argv=None):
                              "category": item["category"], "repeat": repeat, "method": label,
                              "finish_reason": result.finish_reason,
                              "valid": valid(text, schema, tools) if result.finish_reason == "stop" else None,
-                             "compile_seconds": compile_seconds})
+                             "compile_seconds": compile_seconds,
+                             "draft_prefill_after_first_chunk": len(prompt) >= decoder.first_token_alone_from})
                 print(f"{item['id']:<10} {label:<22} {stats.new_tokens:>4} tokens {stats.tokens_per_second:6.2f} "
                       f"tok/s {stats.tokens_per_target_forward:5.2f} tok/fwd forced {stats.forced_tokens} "
                       f"valid {runs[-1]['valid']}", flush=True)
@@ -113,16 +118,24 @@ def main(argv=None):
     report(runs)
 
 
-def _ratio(runs, baseline, decode: bool):
-    """Paired tokens/s ratio against the baseline, per prompt; `decode`: past the first round only."""
+def window(run: dict, which: str) -> tuple[int, float]:
+    """(tokens, seconds) of one run in a window of its time: "whole"; "past the first round" (the target's prefill
+    and the first token drawn from it); "past both prefills", which also leaves out the draft model's prefill of the
+    prompt where it came after the first round (a prompt of `first_token_alone_from` tokens or more: its first
+    token is drawn from the target's prefill alone, and the draft prefills in the second round)."""
+    if which == "whole":
+        return run["new_tokens"], run["total_seconds"]
+    tokens, seconds = run["new_tokens"] - run["first_chunk_tokens"], run["total_seconds"] - run["first_chunk_seconds"]
+    if which == "past both prefills" and run.get("draft_prefill_after_first_chunk"):
+        seconds -= run["draft_prefill_seconds"]
+    return tokens, seconds
+
+
+def _ratio(runs, baseline, which: str):
+    """Paired tokens/s ratio against the baseline, per prompt, in `window` `which`."""
     by_prompt = {}
     for run in runs:
-        mate = baseline[(run["prompt"], run["repeat"])]
-        if decode:
-            a = (run["new_tokens"] - run["first_chunk_tokens"], run["total_seconds"] - run["first_chunk_seconds"])
-            b = (mate["new_tokens"] - mate["first_chunk_tokens"], mate["total_seconds"] - mate["first_chunk_seconds"])
-        else:
-            a, b = (run["new_tokens"], run["total_seconds"]), (mate["new_tokens"], mate["total_seconds"])
+        a, b = window(run, which), window(baseline[(run["prompt"], run["repeat"])], which)
         if a[0] > 0 and b[0] > 0 and a[1] > 0 and b[1] > 0:
             by_prompt.setdefault(run["prompt"], []).append((*a, *b))
     return paired_speedup(list(by_prompt.values())) if by_prompt else (None, [None, None])
@@ -130,19 +143,19 @@ def _ratio(runs, baseline, decode: bool):
 
 def report(runs):
     baseline = {(r["prompt"], r["repeat"]): r for r in runs if r["method"] == BASELINE}
-    print(f"\n{'method':<22} {'tok/s':>6} {'x target (90% CI)':>19} {'past 1st round':>19} {'tok/fwd':>7} "
+    print(f"\n{'method':<26} {'tok/s':>6} {'x target (90% CI)':>19} {'past 1st round':>19} {'past prefills':>19} "
+          f"{'tok/fwd':>7} "
           f"{'forced':>6} {'grammar ms/tok':>14} {'grammar share':>13} {'valid':>9}")
     for label in METHODS:
         mine = [r for r in runs if r["method"] == label]
         tokens, seconds = sum(r["new_tokens"] for r in mine), sum(r["total_seconds"] for r in mine)
         forwards = sum(r["target_forwards"] for r in mine)
-        whole, whole_ci = _ratio(mine, baseline, decode=False)
-        past, past_ci = _ratio(mine, baseline, decode=True)
+        ratios = [_x(*_ratio(mine, baseline, which)) for which in WINDOWS]
         forced = sum(r["forced_tokens"] or 0 for r in mine) / tokens
         grammar = sum(r["grammar_seconds"] or 0 for r in mine)
         finished = [r for r in mine if r["finish_reason"] == "stop"]
         validity = f"{sum(r['valid'] for r in finished)}/{len(finished)}"
-        print(f"{label:<22} {tokens / seconds:6.2f} {_x(whole, whole_ci):>19} {_x(past, past_ci):>19} "
+        print(f"{label:<26} {tokens / seconds:6.2f} {ratios[0]:>19} {ratios[1]:>19} {ratios[2]:>19} "
               f"{tokens / forwards:7.2f} {forced:6.1%} {grammar / tokens * 1000:14.3f} {grammar / seconds:13.2%} "
               f"{validity:>9}")
     compiles = sorted({r["prompt"]: r["compile_seconds"] for r in runs}.values())

@@ -744,3 +744,22 @@ def test_a_benchmark_saves_its_record_and_report_and_names_its_command(tmp_path,
     assert json.loads((tmp_path / "run" / "results.json").read_text()) == {"command": "c", "runs": [1]}
     assert (tmp_path / "run" / "results.md").read_text() == "| a |\n"
     assert "| a |" in capsys.readouterr().out
+
+
+def test_structured_windows_leave_out_the_first_round_and_the_drafts_later_prefill():
+    """bench.structured's windows: past the first round drops the first chunk; past both prefills also drops the
+    draft's prefill where it came after the first chunk (a long prompt), never where the first chunk held it."""
+    from bench.structured import _ratio, window
+
+    run = {"new_tokens": 41, "total_seconds": 5.0, "first_chunk_tokens": 1, "first_chunk_seconds": 2.0,
+           "draft_prefill_seconds": 1.0, "draft_prefill_after_first_chunk": True}
+    assert window(run, "whole") == (41, 5.0)
+    assert window(run, "past the first round") == (40, 3.0)
+    assert window(run, "past both prefills") == (40, 2.0)
+    short = {**run, "draft_prefill_after_first_chunk": False}  # the first chunk already paid for the draft's prefill
+    assert window(short, "past both prefills") == (40, 3.0)
+    target = {**run, "draft_prefill_seconds": 0.0, "total_seconds": 6.0, "prompt": "p", "repeat": 0}
+    baseline = {("p", 0): target}
+    # target-only: 40 tokens in 4 s either way; the speculative run: 40 in 3 s past the first round, in 2 s past both
+    assert _ratio([{**run, "prompt": "p", "repeat": 0}], baseline, "past the first round")[0] == pytest.approx(4 / 3)
+    assert _ratio([{**run, "prompt": "p", "repeat": 0}], baseline, "past both prefills")[0] == pytest.approx(2.0)

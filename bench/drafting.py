@@ -23,7 +23,7 @@ import torch
 
 from specdec.drafters import HybridDrafter, LookupDrafter, LookupSettings
 from specdec.engine import FIRST_TOKEN_ALONE_FROM, SpeculativeDecoder
-from specdec.kv_cache import CachedModel
+from specdec.kv_cache import CachedModel, input_device
 
 from .agreement import lookup_predictions
 from .forwards import forward_ms_by_width
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     if not (args.costs and args.texts) or redraft:  # the models are needed for costs, texts or confidence
         draft, target, tokenizer = load_pair(args.draft, args.target)
         decoder = SpeculativeDecoder(draft, target, tokenizer)
-        device = target.get_input_embeddings().weight.device
+        device = input_device(target)
     if args.costs:
         earlier = json.loads(Path(args.costs).read_text())
         target_ms, draft_ms = ({int(w): ms for w, ms in earlier[name].items()} for name in ("target_ms", "draft_ms"))

@@ -6,6 +6,8 @@ import time
 import torch
 from transformers import DynamicCache
 
+from specdec.kv_cache import input_device
+
 
 def forward_ms(model, context: int, new: int, device, repeats: int) -> float:
     """Median ms of one forward over `new` tokens after `context` cached tokens (the cache is cropped back)."""
@@ -40,6 +42,6 @@ def _sync(device: torch.device) -> None:
 
 def verification_cost(model, max_new: int, context: int = 128, repeats: int = 5) -> dict:
     """Target forward ms over 1..max_new new tokens, and each relative to one token."""
-    device = model.get_input_embeddings().weight.device
+    device = input_device(model)
     ms = forward_ms_by_width(model, context, list(range(1, max_new + 1)), device, repeats)
     return {"context": context, "ms": ms, "relative": {n: v / ms[1] for n, v in ms.items()}}

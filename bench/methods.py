@@ -73,7 +73,7 @@ def measured_models(target, our_draft) -> dict:
 
 def run_hf(method: str, draft, target, ids: list[int], max_new_tokens: int, mode: dict, seed: int) -> dict:
     """One Hugging Face generate call; returns generated tokens and seconds."""
-    device = target.get_input_embeddings().weight.device
+    device = input_device(target)
     input_ids = torch.tensor([ids], device=device)
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=mode["temperature"] > 0, repetition_penalty=1.0,
                   pad_token_id=target.generation_config.pad_token_id or 0)

@@ -264,6 +264,18 @@ def test_forward_costs_take_turns_by_width():
     assert verification_cost(model, 2, context=8, repeats=1)["relative"][1] == 1.0
 
 
+def test_forward_costs_take_a_model_whose_embedding_is_a_grouped_buffer():
+    """The default pair's shipped weights hold the token embedding as GGUF groups in buffers (no `.weight`): the
+    benchmark's forward costs (what `make bench` measures first) found its device through `.weight` and failed."""
+    from specdec.cpu.grouped import GroupedEmbedding, quantize
+    from tests.support.models import make_model
+
+    model = make_model("qwen2", hidden=64)
+    model.model.embed_tokens = GroupedEmbedding(quantize(model.model.embed_tokens.weight.detach(), 8))
+    assert not hasattr(model.get_input_embeddings(), "weight")
+    assert verification_cost(model, 2, context=8, repeats=1)["relative"][1] == 1.0
+
+
 def test_stock_layers_lends_our_target_to_hugging_face_and_gives_it_back():
     from torch import nn
 

@@ -16,7 +16,15 @@ import pytest
 from specdec import SpeculativeDecoder
 from specdec.grammar import Constraint, GrammarCompiler
 from specdec.params import SamplingParams
-from tests.test_exactness import DRAFTER_SAMPLES, LENGTH, PROMPT, SETTINGS, VOCAB, exact_distribution, goodness_of_fit
+from tests.test_exactness import (
+    DRAFTER_SAMPLES,
+    LENGTH,
+    PROMPT,
+    SETTINGS,
+    VOCAB,
+    exact_distribution,
+    goodness_of_fit,
+)
 
 CHARS = "abcdefgh"  # token i is CHARS[i]
 REGEX = "[ab]d[ef]|cdg"  # a or b, then d (forced), then e or f; c, then d and g (both forced)
@@ -149,3 +157,36 @@ def test_masking_p_at_the_first_position_only_fails_the_test(pair, grammar, monk
     except Exception:  # a forbidden token reached the grammar: the wrong variant is caught
         return
     assert goodness_of_fit(counts, constrained_distribution(target, *SETTINGS["t1"]), DRAFTER_SAMPLES) < 1e-6
+
+
+# LOOKUP_PROMPT's draft gives its own token 2 (c) 0.59 at the first position and a or b under 0.04: at 0.5 its run
+# goes on after c (then d and g forced) and ends after a or b, which it draws about 6% of the time
+STOP = 0.5
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("method, verification", [("google", "token"), ("deepmind", "block")])
+def test_constrained_samples_with_the_draft_confidence_stop(pair, grammar, monkeypatch, method, verification):
+    """The draft's confidence stop (the service's default for the default pair) under a constraint with forced
+    proposals: where a run ends reads the draft's own outputs only, so the completions keep the constrained target's
+    distribution. The spy shows the stop at work: runs ending after an unsure token, and going on after sure ones."""
+    from specdec.drafters import ModelDrafter
+
+    draws, original = [], ModelDrafter.draw
+
+    def spy(self, *args, **kwargs):
+        drawn = original(self, *args, **kwargs)
+        if drawn is not None:
+            draws.append(drawn[2])
+        return drawn
+
+    monkeypatch.setattr(ModelDrafter, "draw", spy)
+    draft, target = pair
+    setting = SETTINGS["t1"]
+    counts = draw(SpeculativeDecoder(draft, target), grammar, method, setting, DRAFTER_SAMPLES, seed=7,
+                  prompt=LOOKUP_PROMPT, verification=verification, grammar_drafter=True,
+                  draft_confidence_threshold=STOP)
+    assert set(counts) <= LANGUAGE
+    expected = constrained_distribution(target, *setting, prompt=LOOKUP_PROMPT)
+    assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
+    assert 0.02 * len(draws) < draws.count(False) < 0.95 * len(draws)  # unsure tokens, and sure ones

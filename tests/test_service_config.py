@@ -5,7 +5,7 @@ import tomllib
 import pytest
 
 from specdec.params import LookupSettings
-from specdec.serve.config import DEFAULT_FILE, ConfigError, Settings, load_settings
+from specdec.serve.config import DEFAULT_FILE, DEFAULT_PAIR_CONFIDENCE_THRESHOLD, ConfigError, Settings, load_settings
 
 
 def test_every_setting_has_a_default():
@@ -70,7 +70,15 @@ def test_drafter_and_verification_from_the_environment():
 
 
 def test_draft_confidence_threshold_from_the_environment():
-    assert load_settings().sampling.draft_confidence_threshold == 0.0  # config/default.toml
+    # config/default.toml's "auto": the measured 0.6 where the service loads the default pair itself
+    assert load_settings().sampling.draft_confidence_threshold == DEFAULT_PAIR_CONFIDENCE_THRESHOLD == 0.6
+    assert load_settings(environ={"SPECDEC_DRAFT_CONFIDENCE_THRESHOLD": "auto",
+                                  "SPECDEC_DRAFT_MODEL": "qwen2.5-coder-0.5b"}).sampling.draft_confidence_threshold == 0.6
+    # other pairs, and whatever a custom loader gives, keep 0: the draft always drafts gamma tokens
+    assert load_settings(environ={"SPECDEC_TARGET_MODEL": "Qwen/Qwen2.5-7B"}).sampling.draft_confidence_threshold == 0
+    assert load_settings(environ={"SPECDEC_DRAFT_MODEL": "/models/tiny"}).sampling.draft_confidence_threshold == 0
+    assert load_settings(overrides={"loader": lambda settings: None}).sampling.draft_confidence_threshold == 0
+    assert load_settings(environ={"SPECDEC_DRAFT_CONFIDENCE_THRESHOLD": "0"}).sampling.draft_confidence_threshold == 0
     settings = load_settings(environ={"SPECDEC_DRAFT_CONFIDENCE_THRESHOLD": "0.6"})
     assert settings.sampling.draft_confidence_threshold == 0.6
     for bad in ("1.5", "-0.1", "nan", "sure"):

@@ -21,6 +21,9 @@ DEFAULT_FILE = Path(__file__).resolve().parents[2] / "config" / "default.toml"
 ENV_PREFIX = "SPECDEC_"
 CONFIG_ENV = "SPECDEC_CONFIG"
 ADAPTIVE = "adaptive"
+# draft_confidence_threshold "auto" for the default pair (measured, bench/README.md "Draft-confidence stop"); other
+# pairs, and pairs a custom loader gives, keep 0 (the draft always drafts gamma tokens)
+DEFAULT_PAIR_CONFIDENCE_THRESHOLD = 0.6
 
 
 class ConfigError(ValueError):
@@ -46,7 +49,8 @@ class Settings(BaseModel):
     method: Literal[SERVED_METHODS]
     drafter: Literal[DRAFTERS]
     verification: Literal[VERIFICATIONS]
-    draft_confidence_threshold: float = Field(ge=0, le=1, allow_inf_nan=False)
+    # None ("auto"): DEFAULT_PAIR_CONFIDENCE_THRESHOLD for the default pair loaded by the default loader, else 0
+    draft_confidence_threshold: float | None = Field(ge=0, le=1, allow_inf_nan=False)
     gamma: int | None = Field(ge=1)  # None: adaptive
     max_gamma: int = Field(ge=1, le=MAX_GAMMA)
     temperature: float = Field(ge=0, allow_inf_nan=False)
@@ -87,7 +91,7 @@ class Settings(BaseModel):
             return None
         return value
 
-    @field_validator("prompt_cache_bytes", "draft_vocab_size", mode="before")
+    @field_validator("prompt_cache_bytes", "draft_vocab_size", "draft_confidence_threshold", mode="before")
     @classmethod
     def _auto(cls, value):
         if isinstance(value, str) and value.strip().lower() in ("auto", "none", "null"):
@@ -130,7 +134,19 @@ class Settings(BaseModel):
         return SamplingParams(max_new_tokens=self.max_new_tokens, method=self.method, gamma=self.gamma,
                               temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, drafter=self.drafter,
                               verification=self.verification,
-                              draft_confidence_threshold=self.draft_confidence_threshold)
+                              draft_confidence_threshold=self.confidence_threshold)
+
+    @property
+    def confidence_threshold(self) -> float:
+        """draft_confidence_threshold, "auto" resolved: DEFAULT_PAIR_CONFIDENCE_THRESHOLD where the service loads
+        the default pair itself (both models name it, no custom loader), else 0."""
+        if self.draft_confidence_threshold is not None:
+            return self.draft_confidence_threshold
+        from ..models.sources import names_default_pair
+
+        default_pair = self.loader is None and names_default_pair(self.draft_model) and \
+            names_default_pair(self.target_model)
+        return DEFAULT_PAIR_CONFIDENCE_THRESHOLD if default_pair else 0.0
 
     @property
     def lookup(self) -> LookupSettings:

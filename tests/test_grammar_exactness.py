@@ -170,17 +170,9 @@ def test_constrained_samples_with_the_draft_confidence_stop(pair, grammar, monke
     """The draft's confidence stop (the service's default for the default pair) under a constraint with forced
     proposals: where a run ends reads the draft's own outputs only, so the completions keep the constrained target's
     distribution. The spy shows the stop at work: runs ending after an unsure token, and going on after sure ones."""
-    from specdec.drafters import ModelDrafter
+    from tests.support.spies import model_draws
 
-    draws, original = [], ModelDrafter.draw
-
-    def spy(self, *args, **kwargs):
-        drawn = original(self, *args, **kwargs)
-        if drawn is not None:
-            draws.append(drawn[2])
-        return drawn
-
-    monkeypatch.setattr(ModelDrafter, "draw", spy)
+    draws = model_draws(monkeypatch)
     draft, target = pair
     setting = SETTINGS["t1"]
     counts = draw(SpeculativeDecoder(draft, target), grammar, method, setting, DRAFTER_SAMPLES, seed=7,

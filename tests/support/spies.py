@@ -38,10 +38,11 @@ def model_draws(monkeypatch) -> list[bool]:
     """For every token the draft model drew as a drafter: may its run go on after it (the confidence stop)?"""
     draws, original = [], ModelDrafter.draw
 
-    def spy(self, seq, generator):
-        token, q, go_on = original(self, seq, generator)
-        draws.append(go_on)
-        return token, q, go_on
+    def spy(self, *args, **kwargs):
+        drawn = original(self, *args, **kwargs)
+        if drawn is not None:  # None: a grammar allowed none of the draft's tokens, nothing drawn
+            draws.append(drawn[2])
+        return drawn
 
     monkeypatch.setattr(ModelDrafter, "draw", spy)
     return draws

@@ -180,7 +180,7 @@ def draft_outputs(decoder, text: list[int], prompt_len: int) -> dict:
     greedy text at 45-52% of a chat answer's positions where decoding's forwards agree at 70-75%."""
     draft = CachedModel(decoder.draft_model)
     # the draft's prefill takes the first new token too where the target drew it alone (engine._first_token)
-    alone = prompt_len >= decoder.first_token_alone_from and len(text) > prompt_len
+    alone = decoder.first_token_alone(prompt_len) and len(text) > prompt_len
     first = prompt_len + 1 if alone else prompt_len
     rows = [draft.forward(text[:first], keep=first)]
     rows += [draft.forward([token]) for token in text[first:]]

@@ -108,7 +108,7 @@ def main(argv=None):
                              "finish_reason": result.finish_reason,
                              "valid": valid(text, schema, tools) if result.finish_reason == "stop" else None,
                              "compile_seconds": compile_seconds,
-                             "draft_prefill_after_first_chunk": len(prompt) >= decoder.first_token_alone_from})
+                             "draft_prefill_after_first_chunk": decoder.first_token_alone(len(prompt))})
                 print(f"{item['id']:<10} {label:<22} {stats.new_tokens:>4} tokens {stats.tokens_per_second:6.2f} "
                       f"tok/s {stats.tokens_per_target_forward:5.2f} tok/fwd forced {stats.forced_tokens} "
                       f"valid {runs[-1]['valid']}", flush=True)

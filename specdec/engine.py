@@ -338,6 +338,11 @@ class SpeculativeDecoder:
         # alone, before the draft model prefills (`_first_token`)
         self.first_token_alone_from = first_token_alone_from
 
+    def first_token_alone(self, prompt_len: int) -> bool:
+        """Whether speculative decoding of a prompt of prompt_len tokens draws its first token from the target's
+        prefill alone, the draft model prefilling in the second round (`_first_token`)."""
+        return prompt_len >= self.first_token_alone_from
+
     def generate(self, input_ids, max_new_tokens: int = 64, method: str = "google", gamma: int | None = 4,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  eos_token_id=None, *, drafter: str = SamplingParams.drafter,
@@ -600,7 +605,7 @@ class SpeculativeDecoder:
         goes alone anyway (`_score`), and its row verifies only the first proposal. Shorter prompts, whose
         prefills cost little, keep the speculative first round (and the statistical tests, whose continuations
         of short prompts are 3 tokens long, test both orders)."""
-        if req.prompt_len < self.first_token_alone_from:
+        if not self.first_token_alone(req.prompt_len):
             return None
         before = dict(req.seconds), dict(req.forwards)
         proposal = Proposal()

@@ -12,7 +12,9 @@ called differently:
   so every output has the bits the separate calls give (the modules then hold views of the joined weights: no
   byte is held twice).
 So the logits are bitwise the library's forward's (tests/test_fused_forward.py), and everything built on
-them (greedy equivalence, the exactness tests) holds unchanged.
+them (greedy equivalence, the exactness tests) holds unchanged. A draft marked for it (cpu/decoder.py's
+`use_native_step`) runs its forwards of a few tokens as one native call per layer instead: not bitwise, which a
+draft need not be.
 
     forward = fused_forward(model)      # None for other architectures, or a model spread by accelerate's hooks
     logits = forward(ids, cache, keep)  # (keep, V): the last `keep` positions of ids (1, n) after the cache
@@ -25,6 +27,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .cpu.decoder import NativeLayers
 from .cpu.grouped import TILE, GroupedLinear, Tiled, grouped_rows
 
 # The decoder layers whose forward this one reproduces operation by operation (their modeling files read alike).
@@ -150,11 +153,15 @@ class FusedForward:
         self.model, self.inner = model, model.model
         self.config = self.inner.config
         self.layers = [_Layer(layer) for layer in self.inner.layers[: self.config.num_hidden_layers]]
+        # a draft's few-token forwards as one native call per layer (cpu/decoder.py), where it was asked for
+        self.native = NativeLayers.build(self.layers, model)
 
     def current(self) -> bool:
-        """Whether every joined projection still matches its modules' weights (`_Joined.current`)."""
+        """Whether every joined projection still matches its modules' weights (`_Joined.current`), and the native
+        layers theirs."""
         return all(part.current() for layer in self.layers for projections in (layer.qkv, layer.gate_up)
-                   for part in projections.parts if isinstance(part, _Joined))
+                   for part in projections.parts if isinstance(part, _Joined)) and \
+            (self.native is None or self.native.current())
 
     def __call__(self, ids: torch.Tensor, cache, keep: int) -> torch.Tensor:
         """The logits (keep, V) of the last `keep` of ids (1, n), fed after what `cache` holds (it takes their
@@ -163,13 +170,16 @@ class FusedForward:
         hidden = inner.embed_tokens(ids)
         n = hidden.shape[1]
         position_ids = (torch.arange(n, device=hidden.device) + cache.get_seq_length()).unsqueeze(0)
-        mask_kwargs = {"config": config, "inputs_embeds": hidden, "attention_mask": None, "cache": cache,
-                       "position_ids": position_ids}
-        mask = create_causal_mask(**mask_kwargs)
         position_embeddings = inner.rotary_emb(hidden, position_ids)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)
-        for index, layer in enumerate(self.layers):
-            hidden = self._layer(layer, index, hidden, mask, position_embeddings, cache, attend)
+        if self.native is not None and self.native.takes(hidden, cache):
+            hidden = self.native(hidden, cache, *position_embeddings)
+        else:
+            mask_kwargs = {"config": config, "inputs_embeds": hidden, "attention_mask": None, "cache": cache,
+                           "position_ids": position_ids}
+            mask = create_causal_mask(**mask_kwargs)
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)
+            for index, layer in enumerate(self.layers):
+                hidden = self._layer(layer, index, hidden, mask, position_embeddings, cache, attend)
         hidden = inner.norm(hidden)
         last = hidden[:, -keep:, :]
         lm_head = self.model.lm_head

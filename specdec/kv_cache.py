@@ -44,6 +44,15 @@ class GrowingLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values, held = self.reserve(key_states, value_states)
+        keys[..., held:held + key_states.shape[-2], :] = key_states
+        values[..., held:held + key_states.shape[-2], :] = value_states
+        return self.keys, self.values
+
+    def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Room for key_states' positions after the `held` ones: (keys buffer, values buffer, held), the views
+        already extended over the new positions, whose values the caller writes (`update`, or the native draft step,
+        cpu/decoder.py). key_states and value_states only give the shapes, dtype and device."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         held = self.keys.shape[-2] if self.keys.numel() else 0
@@ -57,10 +66,8 @@ class GrowingLayer(DynamicLayer):
                 values[..., :held, :] = self.values
             self._storage = keys, values
         keys, values = self._storage
-        keys[..., held:length, :] = key_states
-        values[..., held:length, :] = value_states
         self.keys, self.values = keys[..., :length, :], values[..., :length, :]
-        return self.keys, self.values
+        return keys, values, held
 
     def _in_storage(self, key_states: torch.Tensor, value_states: torch.Tensor, held: int, length: int) -> bool:
         """Whether the held keys and values are the leading views of this layer's buffers and `length` fits."""

@@ -775,3 +775,24 @@ def test_structured_windows_leave_out_the_first_round_and_the_drafts_later_prefi
     # target-only: 40 tokens in 4 s either way; the speculative run: 40 in 3 s past the first round, in 2 s past both
     assert _ratio([{**run, "prompt": "p", "repeat": 0}], baseline, "past the first round")[0] == pytest.approx(4 / 3)
     assert _ratio([{**run, "prompt": "p", "repeat": 0}], baseline, "past both prefills")[0] == pytest.approx(2.0)
+
+
+def test_native_step_report_pairs_each_prompt_and_counts_the_same_outputs():
+    """bench.native_step: the step times as measured, ratios within each prompt, and the runs whose tokens were
+    the same with both steps counted."""
+    from bench.native_step import report
+
+    steps = {"fused-1": 30.0, "native-1": 20.0, "fused-5": 45.0, "native-5": 40.0}
+    rows = [{"prompt": "a", "repeat": 0, "target": 10.0, "google-fused": 12.0, "google-native": 15.0,
+             "google-fused-acceptance": 0.8, "google-native-acceptance": 0.8, "same-output": True},
+            {"prompt": "b", "repeat": 0, "target": 5.0, "google-fused": 5.0, "google-native": 5.5,
+             "google-fused-acceptance": 0.5, "google-native-acceptance": 0.6, "same-output": False},
+            {"prompt": "c", "repeat": 0, "target": 20.0, "google-fused": 30.0, "google-native": 36.0,
+             "google-fused-acceptance": 0.7, "google-native-acceptance": 0.7, "same-output": True}]
+    summary, text = report(steps, rows, "python -m bench.native_step", "now")
+    native = summary["summary"]["google-native / google-fused"]
+    assert native == {"median": pytest.approx(1.2), "low": pytest.approx(1.1), "high": pytest.approx(1.25)}
+    assert summary["summary"]["google-native / target"]["median"] == pytest.approx(1.5)
+    assert summary["same_output"] == 2
+    assert "1 token: fused 30.0, native 20.0, 5 tokens: fused 45.0, native 40.0" in text
+    assert "on 2 of 3 runs" in text

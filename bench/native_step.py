@@ -1,14 +1,14 @@
-"""The default pair's draft step as one native call per layer (specdec/cpu/decoder.py) against the fused forward
-it replaces, paired on the same prompts: the draft's step in ms, then Google's decode tokens/s with each beside
-the shipped target alone.
+"""Decoder layers in native code (specdec/cpu/decoder.py) against the fused forward they replace, on the default
+pair: ms per forward of each model, then target-only and Google with each, paired on the same prompts.
 
     python -m bench.native_step --out bench/results/native-step
 
-One pair is loaded; its draft's fused forward is switched between the two (`FusedForward.native`), so both runs of
-a prompt use the same weights. Each prompt runs target-only, then Google with the fused and with the native draft
-step, one after the other (the machine's speed drifts, so only ratios within a prompt are compared); greedy, EOS
-ignored, the draft-confidence stop at the service's default for this pair (0.6), decode tokens/s past the first
-round. Writes results.json and results.md.
+One pair is loaded; both models' fused forwards are switched between the two (`FusedForward.native`), so every
+run uses the same weights. Each prompt runs target-only and Google with the fused layers, then with the native
+ones (the machine's speed drifts, so only ratios within a prompt are compared; the order alternates between
+prompts); greedy, EOS ignored, the draft-confidence stop at the service's default for this pair (0.6), decode
+tokens/s past the first round. The tokens must be the same in all four runs of a prompt (the native layers are
+bitwise the fused ones). Writes results.json and results.md.
 """
 
 import argparse
@@ -20,27 +20,29 @@ import time
 STEPS = ("fused", "native")
 
 
-def step_ms(forward, config, widths=(1, 5), repeats=20) -> dict:
-    """Median ms of the draft's forward of n tokens after 300 cached ones, with each step."""
+def step_ms(forwards: dict, configs: dict, widths=(1, 5), repeats=20) -> dict:
+    """Median ms of each model's forward of n tokens after 300 cached ones, with each step ("draft-fused-1", ...)."""
     import torch
 
     from specdec.kv_cache import growing_cache
 
-    native, out = forward.native, {}
+    out = {}
     ids = torch.randint(0, 30000, (1, 300), generator=torch.Generator().manual_seed(0))
-    for n in widths:
-        for step in STEPS:
-            forward.native = native if step == "native" else None
-            cache = growing_cache(config)
-            forward(ids, cache, 1)
-            times = []
-            for i in range(repeats + 3):
-                start = time.perf_counter()
-                forward(ids[:, i:i + n], cache, n)
-                times.append(time.perf_counter() - start)
-                cache.crop(-n)
-            out[f"{step}-{n}"] = statistics.median(times[3:]) * 1000
-    forward.native = native
+    for role, forward in forwards.items():
+        native = forward.native
+        for n in widths:
+            for step in STEPS:
+                forward.native = native if step == "native" else None
+                cache = growing_cache(configs[role])
+                forward(ids, cache, 1)
+                times = []
+                for i in range(repeats + 3):
+                    start = time.perf_counter()
+                    forward(ids[:, i:i + n], cache, n)
+                    times.append(time.perf_counter() - start)
+                    cache.crop(-n)
+                out[f"{role}-{step}-{n}"] = statistics.median(times[3:]) * 1000
+        forward.native = native
     return out
 
 
@@ -56,32 +58,40 @@ def measure(args) -> tuple[dict, list[dict]]:
     torch.set_grad_enabled(False)
     items = {item["id"]: item for item in load_prompts(DEFAULT_PROMPTS)}
     draft, target, tokenizer = load_pair(device="cpu", weights="shipped")
-    forward = fused_forward(draft)
-    if forward is None or forward.native is None:
-        raise SystemExit("the draft takes no native step here (no grouped kernel, or not a Llama/Qwen2 draft)")
-    native = forward.native
-    steps = step_ms(forward, draft.config)
+    forwards = {"draft": fused_forward(draft), "target": fused_forward(target)}
+    if any(forward is None or forward.native is None for forward in forwards.values()):
+        raise SystemExit("the pair takes no native layers here (no decoder kernel, or not grouped Llama/Qwen2)")
+    natives = {role: forward.native for role, forward in forwards.items()}
+
+    def use(step: str) -> None:
+        for role, forward in forwards.items():
+            forward.native = natives[role] if step == "native" else None
+
+    steps = step_ms(forwards, {"draft": draft.config, "target": target.config})
     print(json.dumps(steps), file=sys.stderr)
     decoder = SpeculativeDecoder(draft, target, tokenizer)
     prompts = args.prompts or list(items)
     settings = {"gamma": args.gamma, "temperature": 0, "eos_token_id": [],
                 "draft_confidence_threshold": args.threshold}
-    for method in ("target", "google"):  # warm-up: the first calls build what later ones reuse
-        decoder.generate(encode(tokenizer, items[prompts[0]]), max_new_tokens=8, method=method, **settings)
+    for step in STEPS:  # warm-up: the first calls build what later ones reuse
+        use(step)
+        for method in ("target", "google"):
+            decoder.generate(encode(tokenizer, items[prompts[0]]), max_new_tokens=8, method=method, **settings)
     rows = []
     for repeat in range(args.repeats):
-        for prompt in prompts:
+        for index, prompt in enumerate(prompts):
             ids = encode(tokenizer, items[prompt])
-            row = {"prompt": prompt, "repeat": repeat}
-            for name in ("target", *(f"google-{step}" for step in STEPS)):
-                forward.native = None if name == "google-fused" else native
-                result = decoder.generate(ids, max_new_tokens=args.tokens, method=name.split("-")[0], **settings)
-                row[name] = result.stats.decode_tokens_per_second
-                if name != "target":
-                    row[f"{name}-acceptance"] = result.stats.acceptance_rate
-                    row[f"{name}-ids"] = result.token_ids
-            forward.native = native
-            row["same-output"] = row.pop("google-fused-ids") == row.pop("google-native-ids")
+            row, tokens = {"prompt": prompt, "repeat": repeat}, []
+            for step in STEPS if (index + repeat) % 2 == 0 else STEPS[::-1]:
+                use(step)
+                for method in ("target", "google"):
+                    result = decoder.generate(ids, max_new_tokens=args.tokens, method=method, **settings)
+                    row[f"{method}-{step}"] = result.stats.decode_tokens_per_second
+                    tokens.append(result.token_ids)
+                    if method == "google":
+                        row[f"google-{step}-acceptance"] = result.stats.acceptance_rate
+            use("native")
+            row["same-output"] = all(t == tokens[0] for t in tokens)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
     return steps, rows
@@ -92,27 +102,29 @@ def report(steps: dict, rows: list[dict], command: str, when: str) -> tuple[dict
     from bench.machine import machine_info
 
     summary = {
+        "target-native / target-fused": ratios(rows, "target-native", "target-fused"),
         "google-native / google-fused": ratios(rows, "google-native", "google-fused"),
-        "google-fused / target": ratios(rows, "google-fused", "target"),
-        "google-native / target": ratios(rows, "google-native", "target"),
+        "google-fused / target-fused": ratios(rows, "google-fused", "target-fused"),
+        "google-native / target-native": ratios(rows, "google-native", "target-native"),
     }
     machine = machine_info()
-    lines = [f"# The draft's step, native against fused, paired, {when}", "", f"Command: `{command}`", "",
+    lines = [f"# Native decoder layers against the fused forward, paired, {when}", "", f"Command: `{command}`", "",
              f"Machine: {machine.get('cpu')}, cores {machine.get('cores')}", "",
-             "Draft forward after 300 cached tokens, median ms: " + ", ".join(
-                 f"{n} token{'s' if n != '1' else ''}: fused {steps[f'fused-{n}']:.1f}, native "
-                 f"{steps[f'native-{n}']:.1f}" for n in sorted({k.split('-')[1] for k in steps})), "",
+             "Forward after 300 cached tokens, median ms: " + "; ".join(
+                 f"{role} {n} token{'s' if n != '1' else ''}: fused {steps[f'{role}-fused-{n}']:.1f}, native "
+                 f"{steps[f'{role}-native-{n}']:.1f}" for role in ("draft", "target")
+                 for n in sorted({k.split('-')[2] for k in steps})), "",
              "Default pair, shipped weights, greedy, EOS ignored, draft-confidence stop 0.6, decode tokens/s past the "
              "first round. Ratios: median over prompts and repeats of the ratio within each (range).", "",
              "| ratio | median | range |", "|---|---|---|"]
     lines += [f"| {name} | {r['median']:.2f}x | {r['low']:.2f}-{r['high']:.2f}x |" for name, r in summary.items()]
     same = sum(r["same-output"] for r in rows)
-    lines += ["", f"Greedy output the same with both steps on {same} of {len(rows)} runs (it must be: both are "
-                  "the target's greedy output).", "",
-              "| prompt | repeat | target | google fused (acceptance) | google native (acceptance) |",
-              "|---|---|---|---|---|"]
-    lines += [f"| {r['prompt']} | {r['repeat']} | {r['target']:.1f} | {r['google-fused']:.1f} "
-              f"({r['google-fused-acceptance']:.2f}) | {r['google-native']:.1f} ({r['google-native-acceptance']:.2f}) |"
+    lines += ["", f"Greedy output the same in all four runs on {same} of {len(rows)} prompts (it must be: the native "
+                  "layers are bitwise the fused ones, and Google's greedy output is target-only's).", "",
+              "| prompt | repeat | target fused | target native | google fused (acceptance) | google native |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {r['prompt']} | {r['repeat']} | {r['target-fused']:.1f} | {r['target-native']:.1f} | "
+              f"{r['google-fused']:.1f} ({r['google-fused-acceptance']:.2f}) | {r['google-native']:.1f} |"
               for r in rows]
     return {"steps_ms": steps, "summary": summary, "same_output": same}, "\n".join(lines) + "\n"
 

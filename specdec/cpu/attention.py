@@ -65,6 +65,10 @@ def gqa_sdpa_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return out.transpose(1, 2).contiguous(), None
 
 
+# read by cpu/decoder.py: its native layers attend to up to this many rows after cached ones as this function does
+gqa_sdpa_forward.row_by_row = ROW_BY_ROW_MAX
+
+
 def one_query_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float = 0.0,
                         scaling: float | None = None) -> torch.Tensor:
     """One token's attention, (batch, heads, 1, dim), over every key and value given, (batch, kv_heads, n, dim).

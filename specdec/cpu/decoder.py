@@ -1,21 +1,21 @@
-"""The draft's step in native code: each decoder layer of a Llama or Qwen2 model with grouped weights one call
-(`torch.ops.specdec_decoder.decoder_layer`, csrc/decoder_layer.cpp) over the few new tokens of a draft's forward.
+"""Decoder layers in native code: each decoder layer of a Llama or Qwen2 model with grouped weights one call
+(`torch.ops.specdec_decoder.decoder_layer`, csrc/decoder_layer.cpp) over the few new tokens of a forward after
+cached ones: a draft's step, the target's step and its verification.
 
-With the default pair's shipped weights, the grouped operator is about 60% of a draft step; the rest was about
-thirty small operations per layer (norms, rotary embedding, cache update, attention, activation), each a Python
-call and a dispatch: about 9 of 24 ms. One call per layer does them as loops over the rows, and calls the grouped
-operator for the projections (q, k and v, gate and up, joined as the fused forward joins them).
+With the default pair's shipped weights the grouped operator is about 80% of a target step and 60% of a draft
+step; most of the rest was some thirty small operations per layer (norms, rotary embedding, cache update,
+attention, activation), each a Python call and a dispatch. One call per layer does the elementwise ones as loops,
+the reduction, the exponentials and the attention as ATen's own calls on tensors of the fused forward's shapes, and
+the projections as the grouped operator (q, k and v, gate and up, joined as the fused forward joins them). The
+arithmetic is the fused forward's, so the logits are bitwise the library's (tests/test_native_step.py), and
+greedy equivalence and the exactness tests hold as they did.
 
-Its values are the library forward's to float rounding, not bitwise (the sums run in another order), so only a
-draft takes it (`use_native_step`, which `load_pair` applies to a CPU draft): proposals may come from anything,
-since the rejection rule uses the probabilities the draft proposed with, and the output stays exactly the
-target's (tests/test_native_step.py: greedy equivalence and the chi-square tests with a native draft). Each row is
-computed alone, so a row's values do not depend on how many rows a call has. Wider forwards (a prompt's prefill)
-keep the fused forward, on the same cache.
+It applies where the fused forward would attend row by row (cpu/attention.py's grouped-head attention, a few rows
+after cached ones): a request's first forward, wider forwards (a prefill) and models of other forms keep the fused
+forward.
 
-    use_native_step(draft)            # marks the draft; its FusedForward then takes the native layers
     layers = NativeLayers.build(fused.layers, model)   # None where they do not apply
-    hidden = layers(hidden, cache, cos, sin)
+    if layers.takes(hidden, cache): hidden = layers(hidden, cache, cos, sin)
 """
 
 import functools
@@ -23,14 +23,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .grouped import GroupedLinear, grouped_kernel
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "decoder_layer.cpp"
-MARK = "specdec_native_step"  # set in a model's __dict__ by use_native_step
-# The widest forward taken natively: a draft's steps and catch-ups are a few tokens; a prefill keeps the fused
-# forward (its attention over many rows is torch's SDPA)
-NATIVE_ROWS = 33
 TENSORS = ("q", "scale", "scale_unit", "minimum", "minimum_unit", "bias")  # per projection, as the operator reads
 
 
@@ -40,17 +37,6 @@ def decoder_kernel() -> bool:
     from .linear import build_kernel
 
     return grouped_kernel() and (hasattr(torch.ops.specdec_decoder, "decoder_layer") or build_kernel(SOURCE))
-
-
-def use_native_step(model: nn.Module) -> bool:
-    """Let a draft's forwards of a few tokens take the native layers, where they apply (a Llama or Qwen2 model
-    whose decoder layers' linears are all grouped, silu, on CPU; checked when its fused forward is made). Returns
-    whether it was marked (a model with no grouped layer is left alone, the kernel not built)."""
-    if not any(type(module) is GroupedLinear for module in model.modules()) or not decoder_kernel():
-        return False
-    model.__dict__[MARK] = True
-    model.__dict__.pop("specdec_forward", None)  # made again, with the native layers
-    return True
 
 
 def _projection(part) -> tuple[list, list[int]] | None:
@@ -64,19 +50,23 @@ def _projection(part) -> tuple[list, list[int]] | None:
 
 
 class _NativeLayer:
-    def __init__(self, weights: list, meta: list[int], parts: list):
-        self.weights, self.meta, self.parts = weights, meta, parts
+    def __init__(self, layer, weights: list, meta: list[int], parts: list):
+        self.layer, self.weights, self.meta, self.parts = layer, weights, meta, parts
 
     def current(self) -> bool:
-        """Whether every projection still holds the weights listed (not if they were replaced since)."""
-        return all(self.weights[2 + 6 * j] is part.q for j, part in enumerate(self.parts))
+        """Whether the layer still has these output and down projections, and every projection the weights listed
+        (not if either was replaced since)."""
+        return self.layer.attention.o_proj is self.parts[self.meta[0]] and \
+            self.layer.mlp.down_proj is self.parts[-1] and \
+            all(self.weights[2 + len(TENSORS) * j] is part.q for j, part in enumerate(self.parts))
 
 
 class NativeLayers:
     """A model's decoder layers as native calls (see the module's docstring)."""
 
-    def __init__(self, layers: list[_NativeLayer], config, attention: nn.Module, norms: tuple[float, float]):
-        self.layers = layers
+    def __init__(self, layers: list[_NativeLayer], config, attention: nn.Module, norms: tuple[float, float],
+                 max_rows: int):
+        self.layers, self.max_rows = layers, max_rows
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.scaling = attention.head_dim, float(attention.scaling)
         self.input_eps, self.post_eps = norms
@@ -84,9 +74,14 @@ class NativeLayers:
     @classmethod
     def build(cls, fused_layers: list, model: nn.Module) -> "NativeLayers | None":
         """The native layers for a fused forward's layers (fused_forward._Layer), or None where they do not apply:
-        not marked (`use_native_step`), a projection not grouped, an activation other than silu, no kernel."""
+        attention other than the grouped-head one row by row, a projection not grouped, an activation other than
+        silu, a norm not float32, no kernel (built at the first model that has everything else)."""
         config = model.config
-        if not model.__dict__.get(MARK) or getattr(config, "hidden_act", None) != "silu" or not decoder_kernel():
+        # the attention function says up to how many rows it attends to one by one (cpu/attention.py's
+        # gqa_sdpa_forward: each row the call a decoded token gets, which the native layers make too)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)
+        rows = getattr(attend, "row_by_row", 0)
+        if not rows or getattr(config, "hidden_act", None) != "silu":
             return None
         layers, eps = [], set()
         for layer in fused_layers:
@@ -102,19 +97,20 @@ class NativeLayers:
             eps.add(tuple(float(norm.variance_epsilon) for norm in norms))
             weights = [norm.weight for norm in norms] + [t for tensors, _ in projections for t in tensors]
             meta = [len(layer.qkv.parts), len(layer.gate_up.parts)] + [m for _, m in projections for m in m]
-            layers.append(_NativeLayer(weights, meta, parts))
-        if len(eps) != 1 or not layers:
+            layers.append(_NativeLayer(layer, weights, meta, parts))
+        if len(eps) != 1 or not layers or not decoder_kernel():
             return None
-        return cls(layers, config, fused_layers[0].attention, eps.pop())
+        return cls(layers, config, fused_layers[0].attention, eps.pop(), rows)
 
     def current(self) -> bool:
         return all(layer.current() for layer in self.layers)
 
     def takes(self, hidden: torch.Tensor, cache) -> bool:
-        """Whether this forward is one for the native layers: a few float32 rows over a cache whose layers make
-        room for new positions in place (kv_cache.GrowingLayer's `reserve`)."""
-        return hidden.shape[1] <= NATIVE_ROWS and hidden.dtype == torch.float32 and hidden.shape[0] == 1 and \
-            len(cache.layers) >= len(self.layers) and \
+        """Whether this forward is one for the native layers: a few float32 rows after cached ones (which the
+        fused forward attends to row by row), over a cache whose layers make room for new positions in place
+        (kv_cache.GrowingLayer's `reserve`)."""
+        return hidden.shape[1] <= self.max_rows and hidden.dtype == torch.float32 and hidden.shape[0] == 1 and \
+            len(cache.layers) >= len(self.layers) and cache.get_seq_length() > 0 and \
             all(hasattr(layer, "reserve") for layer in cache.layers[: len(self.layers)])
 
     def __call__(self, hidden: torch.Tensor, cache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,6 @@ attention, and the weights in the process's own memory. Models on CUDA or in flo
 
 import torch
 
-from ..kv_cache import input_device
 from .memory import use_own_memory
 from .quantization import quantizes_draft
 
@@ -27,9 +26,7 @@ def apply_cpu_kernels(draft_model, target_model, draft_quantization: str = "none
 
 def prepare_draft(draft_model, draft_quantization: str = "none", cpu_kernels: bool = True) -> None:
     """The draft's half of `apply_cpu_kernels`: int8 if asked and it applies (`quantizes_draft`; a bfloat16 draft
-    made float32 first, as `load_draft` loads one), then CPU kernels for what stays float, and a grouped draft's
-    steps one native call per layer (cpu/decoder.py; a draft's values need not be the library forward's bits)."""
-    from ..cpu.decoder import use_native_step
+    made float32 first, as `load_draft` loads one), then CPU kernels for what stays float."""
     from ..cpu.linear import quantize_linears
 
     param = next(draft_model.parameters())
@@ -39,8 +36,6 @@ def prepare_draft(draft_model, draft_quantization: str = "none", cpu_kernels: bo
         quantize_linears(draft_model)
     if cpu_kernels:
         use_cpu_kernels(draft_model)
-        if input_device(draft_model).type == "cpu":
-            use_native_step(draft_model)
 
 
 def use_cpu_kernels(model) -> bool:

@@ -1,22 +1,26 @@
-// One decoder layer of a Llama or Qwen2 model over a few new tokens after cached ones, in one call: the draft's
-// step (specdec/cpu/decoder.py). The draft's grouped linear layers read about 60% of its step's time; the rest
-// was some thirty small operations per layer (norms, rotary embedding, cache writes, attention, activation), each a
-// Python call and a dispatch. Here they are loops over the few rows, and the linear layers are the grouped operator
-// (specdec_grouped::grouped_linear, through the dispatcher).
+// One decoder layer of a Llama or Qwen2 model with grouped weights over a few new tokens after cached ones, in one
+// call (specdec/cpu/decoder.py). What the fused forward does in some thirty small operations per layer, each a
+// Python call and a dispatch, with the same arithmetic, so the same bits:
 //
-//   x = rmsnorm(h) * w_in;  q, k, v = x W_qkv (+ bias);  q, k rotated (rotate_half, the model's cos and sin)
-//   keys[pos], values[pos] = k, v;  a = softmax(q k^T * scaling) v  over positions 0 .. pos (grouped heads)
-//   h += a W_o;  x = rmsnorm(h) * w_post;  h += (silu(x W_gate) * x W_up) W_down
+//   x = w_in * (h * rsqrt(mean(h^2) + eps))            mean: ATen's reduction; the rest elementwise, as ATen does it
+//   q, k, v = x W_qkv (+ bias)                         the grouped operator (through the dispatcher), its rows cut
+//   q, k = q cos + rotate_half(q) sin                   elementwise, no fused multiply-add (ATen rounds each step)
+//   keys[pos], values[pos] = k, v                       into the request's cache, in place
+//   a_i = sdpa(q_i, keys[:pos_i + 1], values[:pos_i + 1])   ATen's SDPA, one call per row with the query heads of a
+//                                                       key/value head as its rows (cpu/attention.py's one_query_attention)
+//   h += a W_o;  x = w_post * ...;  h += (silu(x W_gate) * x W_up) W_down     silu: ATen's
 //
-// The operations are the library's, summed in another order, so the values are the library forward's to float
-// rounding, not bitwise: only a draft takes this path, whose proposals may come from anything (the rejection rule
-// uses the probabilities it proposed with). Each row is computed alone (the norms, the attention of its query over
-// the keys up to its own position, the grouped operator's rows), so a row's values do not depend on the other
-// rows of the call.
-#include <ATen/Parallel.h>
+// Elementwise IEEE operations (products, sums, a division, a square root) give the same bits wherever they run;
+// the reduction, the exponentials and the attention are ATen's own calls on tensors of the same shapes and strides
+// as the fused forward's. So the hidden states, the cache and the logits are bitwise the library forward's
+// (tests/test_native_step.py), and each row is computed alone.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mean.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/silu.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -25,9 +29,12 @@
 #include <optional>
 #include <vector>
 
+// every product and sum rounded on its own, as ATen's elementwise kernels do (-O3 -march=native would fuse
+// a * b + c into one rounding)
+#pragma GCC optimize("fp-contract=off")
+
 namespace {
 
-constexpr int kLanes = 16;  // partial sums per dot product: one 512-bit register (GCC vectorizes the lanes)
 constexpr int kTensorsPerProjection = 6;  // q, scale, scale_unit, minimum, minimum_unit, bias
 
 using Weights = c10::List<std::optional<at::Tensor>>;
@@ -35,26 +42,17 @@ using GroupedLinear = at::Tensor(const at::Tensor&, const at::Tensor&, const at:
                                  const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                                  const std::optional<at::Tensor>&, int64_t, int64_t);
 
-float dot(const float* a, const float* b, int64_t n) {
-  float lanes[kLanes] = {};
-  int64_t k = 0;
-  for (; k + kLanes <= n; k += kLanes)
-    for (int l = 0; l < kLanes; ++l) lanes[l] += a[k + l] * b[k + l];
-  float sum = 0.f;
-  for (; k < n; ++k) sum += a[k] * b[k];
-  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-  return sum;
-}
-
-// rows of x (n, H) normalized by their root mean square, times the norm's weight
+// rows of x (n, H) normalized as the library's RMSNorm does it: x * rsqrt(mean(x^2) + eps), times the weight
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t n = x.size(0), H = x.size(1);
+  const at::Tensor variance = at::mean(at::pow(x, 2), {-1}, true);
   at::Tensor out = at::empty({n, H}, x.options());
   const float* w = weight.data_ptr<float>();
+  const float* v = variance.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
     const float* row = x.data_ptr<float>() + i * H;
     float* dst = out.data_ptr<float>() + i * H;
-    const float r = 1.f / std::sqrt(dot(row, row, H) / H + static_cast<float>(eps));
+    const float r = 1.f / std::sqrt(v[i] + static_cast<float>(eps));
     for (int64_t k = 0; k < H; ++k) dst[k] = w[k] * (row[k] * r);
   }
   return out;
@@ -92,13 +90,17 @@ at::Tensor project_all(const std::vector<Projection>& parts, const at::Tensor& x
   return out;
 }
 
-// the rotation of one head's values at one position (the modeling files' rotate_half form)
-void rotate(float* x, const float* cos, const float* sin, int64_t D) {
+// one head's values at one position rotated into dst, as the modeling files' apply_rotary_pos_emb computes them:
+// (x * cos) + (rotate_half(x) * sin), each product and the sum rounded (no fused multiply-add: see the pragma)
+void rotate(const float* x, const float* cos, const float* sin, float* dst, int64_t D) {
   const int64_t half = D / 2;
   for (int64_t d = 0; d < half; ++d) {
-    const float a = x[d], b = x[d + half];
-    x[d] = a * cos[d] - b * sin[d];
-    x[d + half] = b * cos[d + half] + a * sin[d + half];
+    const float a = x[d] * cos[d], b = -x[d + half] * sin[d];
+    dst[d] = a + b;
+  }
+  for (int64_t d = half; d < D; ++d) {
+    const float a = x[d] * cos[d], b = x[d - half] * sin[d];
+    dst[d] = a + b;
   }
 }
 
@@ -148,44 +150,32 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const Weights& weights, at::I
   const int64_t width = qkv_out.size(1), q_width = heads * D;
   TORCH_CHECK(width == (heads + 2 * kv_heads) * D, "decoder_layer: q, k and v give ", width, " columns, not ",
               (heads + 2 * kv_heads) * D);
+  // q as the library holds it, (1, heads, n, D); k and v straight into the cache at their positions
+  at::Tensor query = at::empty({1, heads, n, D}, hidden.options());
+  float* q_all = query.data_ptr<float>();
   float* k_cache = keys.data_ptr<float>();
   float* v_cache = values.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i) {
-    float* row = qkv_out.data_ptr<float>() + i * width;
+    const float* row = qkv_out.data_ptr<float>() + i * width;
     const float* c = cos.data_ptr<float>() + i * D;
     const float* s = sin.data_ptr<float>() + i * D;
-    for (int64_t h = 0; h < heads + kv_heads; ++h) rotate(row + h * D, c, s, D);
+    for (int64_t h = 0; h < heads; ++h) rotate(row + h * D, c, s, q_all + (h * n + i) * D, D);
     for (int64_t g = 0; g < kv_heads; ++g) {
-      std::copy_n(row + q_width + g * D, D, k_cache + (g * room + held + i) * D);
+      rotate(row + q_width + g * D, c, s, k_cache + (g * room + held + i) * D, D);
       std::copy_n(row + q_width + (kv_heads + g) * D, D, v_cache + (g * room + held + i) * D);
     }
   }
+  // each row its own SDPA call over the keys up to its position, the query heads of a key/value head its rows
   at::Tensor attended = at::empty({n, q_width}, hidden.options());
   const int64_t group = heads / kv_heads;
-  at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> weight(held + n);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / heads, h = task % heads, g = h / group, seen = held + i + 1;
-      const float* query = qkv_out.data_ptr<float>() + i * width + h * D;
-      const float* k = k_cache + g * room * D;
-      const float* v = v_cache + g * room * D;
-      float top = -INFINITY;
-      for (int64_t j = 0; j < seen; ++j) {
-        weight[j] = dot(query, k + j * D, D) * static_cast<float>(scaling);
-        top = std::max(top, weight[j]);
-      }
-      float total = 0.f;
-      for (int64_t j = 0; j < seen; ++j) total += weight[j] = std::exp(weight[j] - top);
-      float* out = attended.data_ptr<float>() + i * q_width + h * D;
-      std::fill_n(out, D, 0.f);
-      for (int64_t j = 0; j < seen; ++j) {
-        const float p = weight[j];
-        const float* value = v + j * D;
-        for (int64_t d = 0; d < D; ++d) out[d] += p * value[d];
-      }
-      for (int64_t d = 0; d < D; ++d) out[d] /= total;
-    }
-  });
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t seen = held + i + 1;
+    const at::Tensor out = at::scaled_dot_product_attention(
+        query.narrow(2, i, 1).reshape({1, kv_heads, group, D}), keys.narrow(2, 0, seen),
+        values.narrow(2, 0, seen), std::nullopt, 0.0, false, scaling);
+    const at::Tensor rows = out.contiguous();
+    std::copy_n(rows.data_ptr<float>(), q_width, attended.data_ptr<float>() + i * q_width);
+  }
 
   // the residual stream: + attention output, then + the MLP's
   at::Tensor residual = at::empty({n, H}, hidden.options());
@@ -197,11 +187,12 @@ at::Tensor decoder_layer(const at::Tensor& hidden, const Weights& weights, at::I
   at::Tensor gate_up_out = project_all(gate_up, x2);
   const int64_t inner = gate_up_out.size(1) / 2;
   TORCH_CHECK(down.out == H && gate_up_out.size(1) == 2 * inner, "decoder_layer: the MLP's widths do not match");
-  at::Tensor activated = at::empty({n, inner}, hidden.options());
+  // silu(gate) by ATen on the gate's columns as the library splits them (a view), times up
+  at::Tensor activated = at::silu(gate_up_out.narrow(1, 0, inner)).contiguous();
   for (int64_t i = 0; i < n; ++i) {
-    const float* gu = gate_up_out.data_ptr<float>() + i * 2 * inner;
+    const float* up = gate_up_out.data_ptr<float>() + i * 2 * inner + inner;
     float* a = activated.data_ptr<float>() + i * inner;
-    for (int64_t c = 0; c < inner; ++c) a[c] = gu[c] / (1.f + std::exp(-gu[c])) * gu[inner + c];
+    for (int64_t c = 0; c < inner; ++c) a[c] = a[c] * up[c];
   }
   at::Tensor out = at::empty({n, H}, hidden.options());
   project(down, activated, out, 0);

@@ -778,21 +778,27 @@ def test_structured_windows_leave_out_the_first_round_and_the_drafts_later_prefi
 
 
 def test_native_step_report_pairs_each_prompt_and_counts_the_same_outputs():
-    """bench.native_step: the step times as measured, ratios within each prompt, and the runs whose tokens were
-    the same with both steps counted."""
+    """bench.native_step: the step times as measured, ratios within each prompt, and the prompts whose four runs
+    gave the same tokens counted."""
     from bench.native_step import report
 
-    steps = {"fused-1": 30.0, "native-1": 20.0, "fused-5": 45.0, "native-5": 40.0}
-    rows = [{"prompt": "a", "repeat": 0, "target": 10.0, "google-fused": 12.0, "google-native": 15.0,
-             "google-fused-acceptance": 0.8, "google-native-acceptance": 0.8, "same-output": True},
-            {"prompt": "b", "repeat": 0, "target": 5.0, "google-fused": 5.0, "google-native": 5.5,
-             "google-fused-acceptance": 0.5, "google-native-acceptance": 0.6, "same-output": False},
-            {"prompt": "c", "repeat": 0, "target": 20.0, "google-fused": 30.0, "google-native": 36.0,
-             "google-fused-acceptance": 0.7, "google-native-acceptance": 0.7, "same-output": True}]
+    steps = {f"{role}-{step}-{n}": value for role, base in (("draft", 20.0), ("target", 60.0))
+             for step, factor in (("fused", 1.5), ("native", 1.0)) for n, value in ((1, base * factor),
+                                                                                    (5, base * factor * 1.2))}
+    rows = [{"prompt": "a", "repeat": 0, "target-fused": 10.0, "target-native": 11.0, "google-fused": 12.0,
+             "google-native": 15.0, "google-fused-acceptance": 0.8, "google-native-acceptance": 0.8,
+             "same-output": True},
+            {"prompt": "b", "repeat": 0, "target-fused": 5.0, "target-native": 6.0, "google-fused": 5.0,
+             "google-native": 5.5, "google-fused-acceptance": 0.5, "google-native-acceptance": 0.5,
+             "same-output": False},
+            {"prompt": "c", "repeat": 0, "target-fused": 20.0, "target-native": 24.0, "google-fused": 30.0,
+             "google-native": 36.0, "google-fused-acceptance": 0.7, "google-native-acceptance": 0.7,
+             "same-output": True}]
     summary, text = report(steps, rows, "python -m bench.native_step", "now")
     native = summary["summary"]["google-native / google-fused"]
     assert native == {"median": pytest.approx(1.2), "low": pytest.approx(1.1), "high": pytest.approx(1.25)}
-    assert summary["summary"]["google-native / target"]["median"] == pytest.approx(1.5)
+    assert summary["summary"]["target-native / target-fused"]["median"] == pytest.approx(1.2)
+    assert summary["summary"]["google-native / target-native"]["median"] == pytest.approx(1.5 / 1.1)
     assert summary["same_output"] == 2
-    assert "1 token: fused 30.0, native 20.0, 5 tokens: fused 45.0, native 40.0" in text
-    assert "on 2 of 3 runs" in text
+    assert "draft 1 token: fused 30.0, native 20.0; draft 5 tokens: fused 36.0, native 24.0; target 1 token" in text
+    assert "on 2 of 3 prompts" in text

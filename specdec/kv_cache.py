@@ -51,7 +51,7 @@ class GrowingLayer(DynamicLayer):
 
     def reserve(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Room for key_states' positions after the `held` ones: (keys buffer, values buffer, held), the views
-        already extended over the new positions, whose values the caller writes (`update`, or the native draft step,
+        already extended over the new positions, whose values the caller writes (`update`, or the native decoder layers,
         cpu/decoder.py). key_states and value_states only give the shapes, dtype and device."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)

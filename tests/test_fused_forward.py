@@ -35,21 +35,23 @@ def grouped(model, bits_of=lambda name: 8):
     return model
 
 
+def run_steps(cached: CachedModel, ids: list[int]) -> list[torch.Tensor]:
+    """The logits of each forward of STEPS over ids, its rollbacks done in between."""
+    logits, at = [], 0
+    for kind, n, keep in STEPS:
+        if kind == "rollback":
+            cached.rollback(n)
+            at = n
+        else:
+            logits.append(cached.forward(ids[at:at + n], keep=keep))
+            at += n
+    return logits
+
+
 def run_both(model, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The logits of STEPS through the library's forward (first, before anything is fused) and the fused one."""
     ids = torch.randint(0, 64, (60,), generator=torch.Generator().manual_seed(seed)).tolist()
-    results = []
-    for cached in (library_cached(model), CachedModel(model)):
-        logits, at = [], 0
-        for kind, n, keep in STEPS:
-            if kind == "rollback":
-                cached.rollback(n)
-                at = n
-            else:
-                logits.append(cached.forward(ids[at:at + n], keep=keep))
-                at += n
-        results.append(logits)
-    return results[0], results[1]
+    return run_steps(library_cached(model), ids), run_steps(CachedModel(model), ids)
 
 
 def assert_bitwise(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:

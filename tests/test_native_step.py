@@ -14,7 +14,7 @@ from specdec.cpu.grouped import GroupedLinear, grouped_kernel, quantize
 from specdec.fused_forward import fused_forward
 from specdec.kv_cache import CachedModel
 from tests.support.models import make_model
-from tests.test_fused_forward import STEPS, assert_bitwise, grouped, library_cached
+from tests.test_fused_forward import STEPS, assert_bitwise, grouped, library_cached, run_steps
 
 pytestmark = pytest.mark.skipif(not (grouped_kernel() and decoder_kernel()),
                                 reason="the grouped and decoder kernels cannot be built here")
@@ -36,24 +36,16 @@ def native_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def run_steps(model, ids: list[int], native: bool) -> tuple[list[torch.Tensor], CachedModel]:
+def run_through(model, ids: list[int], native: bool) -> tuple[list[torch.Tensor], CachedModel]:
     """STEPS through CachedModel, with the native layers or without (the fused forward's layers alone)."""
     cached = CachedModel(model)
     kept = cached._fused.native
     if not native:
         cached._fused.native = None
-    logits, at = [], 0
     try:
-        for kind, n, keep in STEPS:
-            if kind == "rollback":
-                cached.rollback(n)
-                at = n
-            else:
-                logits.append(cached.forward(ids[at:at + n], keep=keep))
-                at += n
+        return run_steps(cached, ids), cached
     finally:
         cached._fused.native = kept
-    return logits, cached
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -64,9 +56,9 @@ def test_native_layers_give_the_fused_and_library_forwards_logits_bitwise(arch, 
     model = tiny(arch, bits_of, layers=3)
     assert isinstance(fused_forward(model).native, NativeLayers)
     ids = torch.randint(0, 64, (60,), generator=torch.Generator().manual_seed(2)).tolist()
-    fused, _ = run_steps(model, ids, native=False)
+    fused, _ = run_through(model, ids, native=False)
     assert native_calls == []
-    native, cached = run_steps(model, ids, native=True)
+    native, cached = run_through(model, ids, native=True)
     assert native_calls == [n for kind, n, _ in STEPS[1:] if kind == "forward"]  # all but the first forward
     assert_bitwise(fused, native)
     library = library_cached(model)

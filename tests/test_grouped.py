@@ -214,6 +214,26 @@ def isa_outputs() -> dict[str, torch.Tensor]:
     return outputs
 
 
+@pytest.mark.skipif(not (grouped_kernel() and torch.ops.specdec_grouped.amx()),
+                    reason="this CPU or kernel has no AMX (Intel Xeon from Sapphire Rapids on, Linux)")
+@pytest.mark.parametrize("qtype", SHIPPED_TYPES)
+def test_rows_by_amx_tiles_give_the_vnni_paths_bits(qtype):
+    """From 5 rows (4-bit form) or 8 (the others), several rows go by AMX tiles, 16 to a pass: the same integer sums
+    and the same float epilogue as VNNI's, so the same bits, whether AMX is on or off, and for a row alone."""
+    layer = GroupedLinear(pack(gguf_blocks(qtype, 37, 768, seed=4), qtype))
+    x = torch.randn(40, 768, generator=torch.Generator().manual_seed(4))
+    x[:, 3] *= 25
+    try:
+        for rows in (5, 6, 8, 9, 12, 16, 17, 33, 40):
+            torch.ops.specdec_grouped.amx(True)
+            tiles = layer(x[:rows])
+            torch.ops.specdec_grouped.amx(False)
+            assert torch.equal(tiles, layer(x[:rows])), rows
+        assert torch.equal(tiles, torch.cat([layer(x[i:i + 1]) for i in range(40)]))
+    finally:
+        torch.ops.specdec_grouped.amx(True)
+
+
 @pytest.mark.skipif(not torch.ops.specdec_grouped.vnni() if grouped_kernel() else True,
                     reason="the other builds are compared with the AVX-512 VNNI one")
 @pytest.mark.parametrize("isa", ISA_BUILDS)

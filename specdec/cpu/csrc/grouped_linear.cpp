@@ -52,6 +52,14 @@
 #define SPECDEC_AVX2 1
 #endif
 
+#if defined(SPECDEC_VNNI) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#define SPECDEC_AMX 1
+#endif
+
 namespace {
 
 constexpr int kTile = 16;      // weight rows interleaved: one 512-bit register of int32 sums
@@ -61,6 +69,7 @@ constexpr int kMaxRows = 4;    // rows of x per pass over a tile (AVX2 has 16 re
 #else
 constexpr int kMaxRows = 8;    // rows of x per pass over a tile
 #endif
+constexpr int kAmxRows = 16;   // rows of x per pass over a tile with AMX: an A tile's
 
 enum Form { kFloat, kHalf, kUnsigned, kSigned };
 
@@ -87,6 +96,7 @@ struct Layer {
   Scales scale, minimum; // minimum: 4-bit only
   float* out;            // [M, N]
   int64_t M, N, K, G, bits;
+  bool amx = false;      // several rows by tile instructions (SPECDEC_AMX builds only)
 };
 
 struct Rows {  // x quantized per group of G: xq [M, K], and per group dx, the sum of x and the sum of xq
@@ -208,8 +218,8 @@ void eight_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
 
 // 5- or 6-bit values (B): chunk C (of 16 per 64 values of K) rebuilt from the two planes as 16 x 4 unsigned
 // bytes, low nibble and top bits, every shift a constant; then its products added as `eight_bit` adds them.
-template <int M, int B, int C>
-inline void add_chunk(const uint8_t* qs, const int8_t* const* xs, __m512i* sum) {
+template <int B, int C>
+inline __m512i rebuild(const uint8_t* qs) {
   constexpr int kPerLoad = 8 / (B - 4), kAt = (B - 4) * (C % kPerLoad);  // where C's top bits sit in their byte
   __m512i low = _mm512_loadu_si512(qs + (C >> 1) * kChunk);
   if constexpr ((C & 1) != 0) low = _mm512_srli_epi16(low, 4);
@@ -217,8 +227,13 @@ inline void add_chunk(const uint8_t* qs, const int8_t* const* xs, __m512i* sum) 
   if constexpr (kAt < 4) high = _mm512_slli_epi16(high, 4 - kAt);
   if constexpr (kAt > 4) high = _mm512_srli_epi16(high, kAt - 4);
   // bits 0-3 from low, 4-7 from high (0xE4: the third operand selects the first), then the value's B bits alone
-  const __m512i w = _mm512_and_si512(_mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(15), 0xE4),
-                                     _mm512_set1_epi8(static_cast<char>((1 << B) - 1)));
+  return _mm512_and_si512(_mm512_ternarylogic_epi32(low, high, _mm512_set1_epi8(15), 0xE4),
+                          _mm512_set1_epi8(static_cast<char>((1 << B) - 1)));
+}
+
+template <int M, int B, int C>
+inline void add_chunk(const uint8_t* qs, const int8_t* const* xs, __m512i* sum) {
+  const __m512i w = rebuild<B, C>(qs);
   for (int m = 0; m < M; ++m) sum[m] = _mm512_dpbusd_epi32(sum[m], w, _mm512_set1_epi32(word(xs[m] + 4 * C)));
 }
 
@@ -257,6 +272,155 @@ void low_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
   }
   for (int m = 0; m < M; ++m) _mm512_storeu_ps(L.out + (m0 + m) * L.N + t * kTile, acc[m]);
 }
+
+#ifdef SPECDEC_AMX
+
+// Several rows with AMX (Sapphire Rapids and later): the same integer sums, by tile instructions. A group's weights
+// in the VNNI layout above (G / 4 chunks of 16 rows x 4 bytes) are exactly an AMX B tile of G / 4 rows of 64 bytes,
+// and the group's bytes of x for M rows an A tile of M rows of G bytes; tdpbsud (signed x times unsigned weights)
+// gives the M x 16 int32 sums that M rows of vpdpbusd give, in one instruction whatever M. The sums are stored and
+// the float epilogue is the VNNI path's, operation for operation, so a row's bits do not depend on the path either.
+// Tiles: 0 and 1 sums, 2 and 3 x, 4 and 5 weights (two groups in flight).
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles(int rows, int group) {
+  TileConfig c;
+  for (int i = 0; i < 2; ++i) {
+    c.rows[i] = static_cast<uint8_t>(rows), c.colsb[i] = 64;                          // sums: rows x 16 int32
+    c.rows[2 + i] = static_cast<uint8_t>(rows), c.colsb[2 + i] = static_cast<uint16_t>(group);  // x: rows x G
+    c.rows[4 + i] = static_cast<uint8_t>(group / 4), c.colsb[4 + i] = 64;             // weights: G / 4 x 64
+  }
+  _tile_loadconfig(&c);
+}
+
+// A group's sums into sums by tiles c (sums), a (x at xs, rows of stride K) and b (weights at w, G / 4 chunks of
+// 64 bytes); the tile numbers are literals (GCC writes them into the instruction's text).
+#define SPECDEC_GROUP_SUMS(c, a, b, xs, K, w, sums) \
+  do {                                              \
+    _tile_zero(c);                                  \
+    _tile_loadd(a, xs, K);                          \
+    _tile_loadd(b, w, kChunk);                      \
+    _tile_dpbsud(c, a, b);                          \
+    _tile_stored(c, sums, 64);                      \
+  } while (0)
+
+template <int M>
+void four_bit_amx(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
+  const int64_t K = L.K, groups = K / 32;
+  const uint8_t* q = L.q + t * (K / 2) * kTile;
+  const __m512i nibble = _mm512_set1_epi8(15);
+  alignas(64) uint8_t w[2][8 * kChunk];
+  alignas(64) int32_t sums[2][M * 16];
+  const int8_t* x = X.xq.data() + m0 * K;
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < K / 64; ++s) {
+    const uint8_t* qs = q + s * 8 * kChunk;
+    _mm_prefetch(reinterpret_cast<const char*>(qs + 16 * kChunk), _MM_HINT_T0);
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_loadu_si512(qs + c * kChunk);
+      _mm512_store_si512(w[0] + c * kChunk, _mm512_and_si512(v, nibble));
+      _mm512_store_si512(w[1] + c * kChunk, _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble));
+    }
+    SPECDEC_GROUP_SUMS(0, 2, 4, x + s * 64, K, w[0], sums[0]);
+    SPECDEC_GROUP_SUMS(1, 3, 5, x + s * 64 + 32, K, w[1], sums[1]);
+    const __m512 s0 = load(L.scale, t, 2 * s), s1 = load(L.scale, t, 2 * s + 1);
+    const __m512 n0 = load(L.minimum, t, 2 * s), n1 = load(L.minimum, t, 2 * s + 1);
+    for (int m = 0; m < M; ++m) {
+      const int64_t g = (m0 + m) * groups + 2 * s;
+      const __m512i low = _mm512_load_si512(sums[0] + 16 * m), high = _mm512_load_si512(sums[1] + 16 * m);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(low), _mm512_mul_ps(s0, _mm512_set1_ps(X.dx[g])), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(n0, _mm512_set1_ps(X.sum[g]), acc[m]);
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(high), _mm512_mul_ps(s1, _mm512_set1_ps(X.dx[g + 1])), acc[m]);
+      acc[m] = _mm512_fnmadd_ps(n1, _mm512_set1_ps(X.sum[g + 1]), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(L.out + (m0 + m) * L.N + t * kTile, acc[m]);
+}
+
+// The epilogue of one group g for M rows, from its sums less offset * sum(xq): `eight_bit`'s and `low_bit`'s.
+template <int M>
+inline void add_group(const Layer& L, const Rows& X, int64_t t, int64_t m0, int64_t g, int offset,
+                      const int32_t* sums, __m512* acc) {
+  const int64_t groups = L.K / L.G;
+  const __m512 sc = load(L.scale, t, g);
+  for (int m = 0; m < M; ++m) {
+    const int64_t i = (m0 + m) * groups + g;
+    const __m512i exact = _mm512_sub_epi32(_mm512_load_si512(sums + 16 * m), _mm512_set1_epi32(offset * X.qsum[i]));
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(sc, _mm512_set1_ps(X.dx[i])), acc[m]);
+  }
+}
+
+template <int M>
+void eight_bit_amx(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
+  const int64_t K = L.K, G = L.G, groups = K / G, chunks = G / 4;
+  const uint8_t* q = L.q + t * K * kTile;
+  const int8_t* x = X.xq.data() + m0 * K;
+  alignas(64) int32_t sums[2][M * 16];
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g + 1 < groups; g += 2) {  // the weights are a B tile as they lie
+    const uint8_t* qg = q + g * chunks * kChunk;
+    _mm_prefetch(reinterpret_cast<const char*>(qg + 2 * chunks * kChunk), _MM_HINT_T0);
+    SPECDEC_GROUP_SUMS(0, 2, 4, x + g * G, K, qg, sums[0]);
+    SPECDEC_GROUP_SUMS(1, 3, 5, x + (g + 1) * G, K, qg + chunks * kChunk, sums[1]);
+    add_group<M>(L, X, t, m0, g, 128, sums[0], acc);
+    add_group<M>(L, X, t, m0, g + 1, 128, sums[1], acc);
+  }
+  if (groups % 2 != 0) {
+    SPECDEC_GROUP_SUMS(0, 2, 4, x + (groups - 1) * G, K, q + (groups - 1) * chunks * kChunk, sums[0]);
+    add_group<M>(L, X, t, m0, groups - 1, 128, sums[0], acc);
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(L.out + (m0 + m) * L.N + t * kTile, acc[m]);
+}
+
+template <int B, int First, int... I>
+inline void rebuild_chunks(const uint8_t* qs, uint8_t* w, std::integer_sequence<int, I...>) {
+  ((_mm512_store_si512(w + (First + I) * kChunk, rebuild<B, First + I>(qs))), ...);
+}
+
+template <int M, int B, int G>
+void low_bit_amx(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
+  constexpr int kOffset = 1 << (B - 1), kGroups = 64 / G;
+  const int64_t K = L.K;
+  const uint8_t* q = L.q + t * (K * B / 8) * kTile;
+  const int8_t* x = X.xq.data() + m0 * K;
+  alignas(64) uint8_t w[16 * kChunk];  // the 16 chunks of 64 values of K, rebuilt as bytes
+  alignas(64) int32_t sums[2][M * 16];
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < K / 64; ++s) {
+    const uint8_t* qs = q + s * 128 * B;
+    _mm_prefetch(reinterpret_cast<const char*>(qs + 256 * B), _MM_HINT_T0);
+    rebuild_chunks<B, 0>(qs, w, std::make_integer_sequence<int, 16>{});
+    for (int gi = 0; gi < kGroups; gi += 2) {
+      SPECDEC_GROUP_SUMS(0, 2, 4, x + s * 64 + gi * G, K, w + gi * (G / 4) * kChunk, sums[0]);
+      SPECDEC_GROUP_SUMS(1, 3, 5, x + s * 64 + (gi + 1) * G, K, w + (gi + 1) * (G / 4) * kChunk, sums[1]);
+      add_group<M>(L, X, t, m0, s * kGroups + gi, kOffset, sums[0], acc);
+      add_group<M>(L, X, t, m0, s * kGroups + gi + 1, kOffset, sums[1], acc);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(L.out + (m0 + m) * L.N + t * kTile, acc[m]);
+}
+
+#undef SPECDEC_GROUP_SUMS
+
+std::atomic<bool> amx_enabled{true};  // amx(False) turns it off, for benchmarks against the VNNI path
+
+bool amx_usable() {  // the build has it and Linux lets this process use the tile registers (asked once)
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+#endif  // SPECDEC_AMX
 
 #elif defined(SPECDEC_AVX2)
 
@@ -479,11 +643,24 @@ void low_bit(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
 
 template <int M>
 void tile(const Layer& L, const Rows& X, int64_t t, int64_t m0) {
-  switch (L.bits) {
-    case 4: four_bit<M>(L, X, t, m0); break;
-    case 5: L.G == 16 ? low_bit<M, 5, 16>(L, X, t, m0) : low_bit<M, 5, 32>(L, X, t, m0); break;
-    case 6: L.G == 16 ? low_bit<M, 6, 16>(L, X, t, m0) : low_bit<M, 6, 32>(L, X, t, m0); break;
-    default: eight_bit<M>(L, X, t, m0); break;
+#ifdef SPECDEC_AMX
+  if (L.amx) {
+    switch (L.bits) {
+      case 4: four_bit_amx<M>(L, X, t, m0); break;
+      case 5: L.G == 16 ? low_bit_amx<M, 5, 16>(L, X, t, m0) : low_bit_amx<M, 5, 32>(L, X, t, m0); break;
+      case 6: L.G == 16 ? low_bit_amx<M, 6, 16>(L, X, t, m0) : low_bit_amx<M, 6, 32>(L, X, t, m0); break;
+      default: eight_bit_amx<M>(L, X, t, m0); break;
+    }
+    return;
+  }
+#endif
+  if constexpr (M <= kMaxRows) {
+    switch (L.bits) {
+      case 4: four_bit<M>(L, X, t, m0); break;
+      case 5: L.G == 16 ? low_bit<M, 5, 16>(L, X, t, m0) : low_bit<M, 5, 32>(L, X, t, m0); break;
+      case 6: L.G == 16 ? low_bit<M, 6, 16>(L, X, t, m0) : low_bit<M, 6, 32>(L, X, t, m0); break;
+      default: eight_bit<M>(L, X, t, m0); break;
+    }
   }
 }
 
@@ -496,8 +673,38 @@ void chunk(const Layer& L, const Rows& X, int64_t t, int64_t m0, int64_t rows) {
     case 5: tile<5>(L, X, t, m0); break;
     case 6: tile<6>(L, X, t, m0); break;
     case 7: tile<7>(L, X, t, m0); break;
-    default: tile<8>(L, X, t, m0); break;
+    case 8: tile<8>(L, X, t, m0); break;
+#ifdef SPECDEC_AMX
+    case 9: tile<9>(L, X, t, m0); break;
+    case 10: tile<10>(L, X, t, m0); break;
+    case 11: tile<11>(L, X, t, m0); break;
+    case 12: tile<12>(L, X, t, m0); break;
+    case 13: tile<13>(L, X, t, m0); break;
+    case 14: tile<14>(L, X, t, m0); break;
+    case 15: tile<15>(L, X, t, m0); break;
+    default: tile<16>(L, X, t, m0); break;
+#endif
   }
+}
+
+struct Passes {  // how M rows go over each tile: in passes of `size` rows (the last may be smaller), by AMX or not
+  int64_t size;
+  bool amx;
+};
+
+Passes passes(const Layer& L, int64_t M) {
+#ifdef SPECDEC_AMX
+  // AMX's fixed cost per group (tile loads, stores) pays from 5 rows of the 4-bit form and 8 of the others (an
+  // Intel Xeon with AMX, 2 threads, the default pair's layers: bench/README.md, "AMX for verification")
+  if (amx_enabled.load() && amx_usable() && M >= (L.bits == 4 ? 5 : 8)) {
+    const int64_t chunks = (M + kAmxRows - 1) / kAmxRows;
+    return {(M + chunks - 1) / chunks, true};
+  }
+#endif
+  const int64_t most = kMaxRows;
+  // all M rows in equal passes: the first streams the tile from memory, the next find it in cache
+  const int64_t chunks = (M + most - 1) / most;
+  return {(M + chunks - 1) / chunks, false};
 }
 
 Scales scales(const at::Tensor& values, const c10::optional<at::Tensor>& unit, int64_t N, int64_t K,
@@ -544,11 +751,23 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& q, const at::Te
   L.out = out.data_ptr<float>();
   if (M == 0) return out;
   const Rows X = quantize(x.data_ptr<float>(), M, K, group);
-  // all M rows in equal chunks of at most 8: the first chunk streams the tile from memory, the next find it in cache
-  const int64_t chunks = (M + kMaxRows - 1) / kMaxRows, size = (M + chunks - 1) / chunks;
+  const auto [size, amx] = passes(L, M);
+  L.amx = amx;
   at::parallel_for(0, N / kTile, 4, [&](int64_t t0, int64_t t1) {
+#ifdef SPECDEC_AMX
+    int configured = 0;  // the rows the tiles are configured for: the config is the thread's, other code sets it too
+#endif
     for (int64_t t = t0; t < t1; ++t)
-      for (int64_t m0 = 0; m0 < M; m0 += size) chunk(L, X, t, m0, std::min<int64_t>(size, M - m0));
+      for (int64_t m0 = 0; m0 < M; m0 += size) {
+        const int64_t rows = std::min<int64_t>(size, M - m0);
+#ifdef SPECDEC_AMX
+        if (L.amx && rows != configured) configure_tiles(configured = static_cast<int>(rows), static_cast<int>(L.G));
+#endif
+        chunk(L, X, t, m0, rows);
+      }
+#ifdef SPECDEC_AMX
+    if (configured != 0) _tile_release();
+#endif
   });
   return out;
 }
@@ -559,6 +778,16 @@ bool vnni() {
 #ifdef SPECDEC_VNNI
   return true;
 #else
+  return false;
+#endif
+}
+
+bool amx(c10::optional<bool> enable) {  // whether several rows go by AMX tiles; `enable` turns that on or off
+#ifdef SPECDEC_AMX
+  if (enable.has_value()) amx_enabled.store(*enable);
+  return amx_enabled.load() && amx_usable();
+#else
+  (void)enable;
   return false;
 #endif
 }
@@ -576,6 +805,7 @@ std::string isa() {
 TORCH_LIBRARY(specdec_grouped, m) {
   m.def("vnni() -> bool", &vnni);  // whether this build has the VNNI kernel
   m.def("isa() -> str", &isa);     // the instructions this build computes with: avx512_vnni, avx2 or scalar
+  m.def("amx(bool? enable=None) -> bool", &amx);  // whether several rows go by AMX tiles (and turns it on or off)
   m.def("grouped_linear(Tensor x, Tensor q, Tensor scale, Tensor? scale_unit, Tensor? minimum, Tensor? minimum_unit, "
         "int bits, int group) -> Tensor");
 }

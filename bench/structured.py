@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import jsonschema
+import torch
 
 from bench.prompts import STRUCTURED_PROMPTS, load_prompts
 from bench.summary import paired_speedup
@@ -66,6 +67,27 @@ def valid(text: str, schema, tools) -> bool:
         return False
 
 
+def variants(args) -> list[tuple[str, tuple, bool]]:
+    """(label, METHODS' entry, AMX on) for each run of a prompt, in order."""
+    chosen = [BASELINE, *[label for label in (args.methods or "").split(";") if label and label != BASELINE]]
+    unknown = [label for label in chosen if label not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown methods: {', '.join(unknown)} (known: {'; '.join(METHODS)})")
+    labels = chosen if args.methods else list(METHODS)
+    out = [(label, METHODS[label], True) for label in labels]
+    if args.without_amx:
+        out += [(f"{label}, no AMX", METHODS[label], False) for label in labels if label != BASELINE]
+    return out
+
+
+def set_amx(on: bool) -> None:
+    """The grouped kernel's AMX path on or off (nothing where the kernel is not built)."""
+    from specdec.cpu.grouped import grouped_kernel
+
+    if grouped_kernel():
+        torch.ops.specdec_grouped.amx(on)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=None)
@@ -76,6 +98,11 @@ def main(argv=None):
     parser.add_argument("--top_p", type=float, default=1.0)
     parser.add_argument("--gamma", type=int, default=4)
     parser.add_argument("--dtype", default="auto", help="as load_pair's (bfloat16 halves the pair's memory)")
+    parser.add_argument("--methods", default=None, help="labels of METHODS separated by ; (default: all; the "
+                        "constrained target-only baseline always runs)")
+    parser.add_argument("--without-amx", action="store_true",
+                        help="also run each speculative method with the grouped kernel's AMX path off, on the same "
+                             "prompts (labels end in ', no AMX'; where the CPU has no AMX both runs are VNNI's)")
     parser.add_argument("--out", default=None, help="folder for runs.json (default: print only)")
     args = parser.parse_args(argv)
 
@@ -93,7 +120,8 @@ def main(argv=None):
         grammar = compiler.compile(constraint)
         compile_seconds = time.perf_counter() - start
         for repeat in range(args.repeats):
-            for label, (method, drafter, constrained, forced, threshold) in METHODS.items():
+            for label, (method, drafter, constrained, forced, threshold), amx in variants(args):
+                set_amx(amx)
                 params = SamplingParams(max_new_tokens=args.max_new_tokens, method=method, drafter=drafter,
                                         gamma=args.gamma, temperature=args.temperature, top_p=args.top_p,
                                         top_k=0, seed=repeat, grammar_drafter=forced,
@@ -146,7 +174,7 @@ def report(runs):
     print(f"\n{'method':<26} {'tok/s':>6} {'x target (90% CI)':>19} {'past 1st round':>19} {'past prefills':>19} "
           f"{'tok/fwd':>7} "
           f"{'forced':>6} {'grammar ms/tok':>14} {'grammar share':>13} {'valid':>9}")
-    for label in METHODS:
+    for label in dict.fromkeys(r["method"] for r in runs):
         mine = [r for r in runs if r["method"] == label]
         tokens, seconds = sum(r["new_tokens"] for r in mine), sum(r["total_seconds"] for r in mine)
         forwards = sum(r["target_forwards"] for r in mine)

@@ -802,3 +802,34 @@ def test_native_step_report_pairs_each_prompt_and_counts_the_same_outputs():
     assert summary["same_output"] == 2
     assert "draft 1 token: fused 30.0, native 20.0; draft 5 tokens: fused 36.0, native 24.0; target 1 token" in text
     assert "on 2 of 3 prompts" in text
+
+
+def test_structured_runs_the_chosen_methods_and_each_speculative_one_again_without_amx():
+    """bench.structured --methods picks labels, separated by ; (the constrained baseline always first); --without-amx adds each
+    speculative method with the AMX path off; an unknown label is refused with the known ones."""
+    from argparse import Namespace
+
+    from bench.structured import BASELINE, METHODS, variants
+
+    chosen = variants(Namespace(methods="model + grammar, stop 0.6", without_amx=True))  # labels have commas: ; separates
+    assert [(label, amx) for label, _, amx in chosen] == [
+        (BASELINE, True), ("model + grammar, stop 0.6", True), ("model + grammar, stop 0.6, no AMX", False)]
+    assert chosen[2][1] == METHODS["model + grammar, stop 0.6"]
+    assert [label for label, _, _ in variants(Namespace(methods=None, without_amx=False))] == list(METHODS)
+    with pytest.raises(SystemExit, match="unknown methods: nope"):
+        variants(Namespace(methods="nope", without_amx=False))
+
+
+def test_amx_report_gives_each_width_against_vnni_and_against_one_token():
+    """bench.amx: per model and width, the VNNI / AMX ratio and each path against one token's VNNI forward; the
+    report says when AMX was not usable (both columns VNNI's then)."""
+    from bench.amx import report
+
+    ms = {f"{role}-{path}-{n}": base * n ** 0.5 * (0.8 if path == "amx" and n > 1 else 1.0)
+          for role, base in (("draft", 20.0), ("target", 60.0)) for path in ("vnni", "amx") for n in (1, 4)}
+    record, text = report(ms, True, "python -m bench.amx", "now", 2)
+    assert record["summary"]["target-4"] == {"vnni_ms": 120.0, "amx_ms": pytest.approx(96.0),
+                                             "speedup": pytest.approx(1.25)}
+    assert record["summary"]["draft-1"]["speedup"] == pytest.approx(1.0)
+    assert "| target | 4 | 120.0 | 96.0 | 1.25x | 2.00 | 1.60 |" in text
+    assert "not usable" in report(ms, False, "c", "now", 2)[1]

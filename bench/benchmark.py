@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sweep-prompts", type=int, default=4, help="prompts of each set used by the gamma sweep")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--draft-quantization", default="int8", choices=DRAFT_QUANTIZATIONS,
+    parser.add_argument("--draft-quantization", default="auto", choices=DRAFT_QUANTIZATIONS,
                         help="our methods' draft, as load_pair gives it (HF baselines always use the stock draft)")
     parser.add_argument("--lookup", type=lookup_settings, default=LookupSettings(),
                         help="prompt lookup's settings, as KEY=VALUE,... of specdec.drafters.LookupSettings "

@@ -5,7 +5,8 @@
 
 After a warm-up, each prompt runs target-only, then Google and the draft alone with each form, one after the other
 (the machine's speed drifts, so only ratios within a prompt are compared); greedy, EOS ignored, decode tokens/s
-(past the first round). Writes results.json and results.md.
+(past the first round); `--threshold` sets the draft-confidence stop (default none). Writes results.json and
+results.md.
 """
 
 import argparse
@@ -45,7 +46,8 @@ def measure(args) -> list[dict]:
             for name, form, method in (("target", "int8", "target"), *((f"google-{f}", f, "google") for f in FORMS),
                                        *((f"draft-{f}", f, "draft") for f in FORMS)):
                 result = decoders[form].generate(ids, max_new_tokens=args.tokens, method=method, gamma=args.gamma,
-                                                 temperature=0, eos_token_id=[])
+                                                 temperature=0, eos_token_id=[],
+                                                 draft_confidence_threshold=args.threshold)
                 row[name] = result.stats.decode_tokens_per_second
                 if method == "google":
                     row[f"{name}-acceptance"] = result.stats.acceptance_rate
@@ -97,6 +99,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--gamma", type=int, default=4)
+    parser.add_argument("--threshold", type=float, default=0.0,
+                        help="the draft-confidence stop (the service's default for this pair: 0.6)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default="bench/results/draft-int4")
     args = parser.parse_args(argv)

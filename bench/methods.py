@@ -63,12 +63,18 @@ def stock_layers(model):
 
 
 def measured_models(target, our_draft) -> dict:
-    """What the run measured, read off the models: the target's dtype, and whether our draft is int8 (load_pair
-    quantizes a float32 or bfloat16 CPU draft only; "none" too when no method of ours ran, `our_draft` None)."""
+    """What the run measured, read off the models: the target's dtype, and our draft's form: "int8" (torch's int8
+    layers: load_pair quantizes a float32 or bfloat16 CPU draft only), "int4" (every linear layer in 4-bit groups),
+    "shipped" (the GGUF's own groups), or "none" (as loaded; also when no method of ours ran, `our_draft` None)."""
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
 
-    int8 = our_draft is not None and any(isinstance(m, DynamicQuantizedLinear) for m in our_draft.modules())
-    return {"dtype": str(target.dtype).removeprefix("torch."), "draft_quantization": "int8" if int8 else "none"}
+    from specdec.cpu.grouped import GroupedLinear
+
+    modules = list(our_draft.modules()) if our_draft is not None else []
+    bits = {m.bits for m in modules if isinstance(m, GroupedLinear)}
+    form = "int8" if any(isinstance(m, DynamicQuantizedLinear) for m in modules) else \
+        ("int4" if bits == {4} else "shipped") if bits else "none"
+    return {"dtype": str(target.dtype).removeprefix("torch."), "draft_quantization": form}
 
 
 def run_hf(method: str, draft, target, ids: list[int], max_new_tokens: int, mode: dict, seed: int) -> dict:

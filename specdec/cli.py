@@ -152,8 +152,10 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on CUDA), float32, "
                         "float16 or bfloat16")
-    parser.add_argument("--draft_quantization", default="int8", type=str.lower, choices=("int8", "int4", "none"),
-                        help="int8 (default): a draft on CPU runs int8-quantized (loaded in float32, also beside a "
+    parser.add_argument("--draft_quantization", default="auto", type=str.lower,
+                        choices=("auto", "int8", "int4", "none"),
+                        help="auto (default): int4 for the default pair's shipped draft, int8 for others. "
+                             "int8: a draft on CPU runs int8-quantized (loaded in float32, also beside a "
                              "bfloat16 target), 2.5-3x cheaper; a draft from a GGUF file keeps its own weights. "
                              "int4: 4-bit groups for the grouped CPU kernel (a GGUF draft's wider layers "
                              "requantized). Outputs stay exactly the target's. none: the draft as loaded")

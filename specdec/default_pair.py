@@ -42,16 +42,19 @@ def main(argv=None) -> int:
                     kept = keep_int8_draft(ModelSource(str(folder)))
                     if kept:
                         print(f"draft: its int8 form kept in {kept}")
-                if args.quick and shipped_form_path(folder).is_file():
-                    print(f"{source.role}: its GGUF weights are packed in {shipped_form_path(folder)} (checked when "
-                          f"loaded)")
-                else:
-                    from .models.shipped import keep_shipped
-                    from .models.sources import ModelSource
+                # the draft's 4-bit form too: draft_quantization = "auto" serves it (1.05x faster, measured)
+                for requantize in (None, 4) if source is default_pair.DRAFT else (None,):
+                    what = "GGUF weights" if requantize is None else f"GGUF weights, requantized to {requantize} bits,"
+                    if args.quick and shipped_form_path(folder, requantize).is_file():
+                        print(f"{source.role}: its {what} are packed in {shipped_form_path(folder, requantize)} "
+                              f"(checked when loaded)")
+                    else:
+                        from .models.shipped import keep_shipped
+                        from .models.sources import ModelSource
 
-                    kept = keep_shipped(ModelSource(str(folder)))
-                    if kept:
-                        print(f"{source.role}: its GGUF weights packed in {kept}")
+                        kept = keep_shipped(ModelSource(str(folder)), requantize)
+                        if kept:
+                            print(f"{source.role}: its {what} packed in {kept}")
             elif not default_pair.is_ready(folder, source):
                 print(f"{source.role}: {folder} not prepared")
             else:

@@ -28,6 +28,7 @@ from bench.prompts import DEFAULT_PROMPTS, GROUNDED_PROMPTS, load_prompts
 from bench.report import markdown
 from bench.summary import block_gain_interval, block_gains, leviathan_bound, paired_speedup, summarise
 from specdec.adaptive import expected_speedup, fit_alpha
+from specdec.cpu.grouped import grouped_kernel
 from specdec.cpu.linear import packing_supported, quantization_supported, quantize_linears
 from specdec.engine import SpeculativeDecoder
 from tests.support.models import make_model, perturbed_copy
@@ -225,10 +226,10 @@ def test_benchmark_of_our_methods_alone_loads_the_pair_once_as_the_service_does(
     assert benchmark.main(["--draft", draft, "--target", target, "--limit", "2", "--max-new-tokens", "4",
                            "--prompt-sets", "default", "--modes", "greedy", "--methods", "target,model-token",
                            "--no-startup", "--out", str(out)]) == 0
-    # no stock pair held beside ours: one load, with the CPU kernels and the int8 draft
-    assert len(loads) == 1 and loads[0].get("cpu_kernels", True) and loads[0]["draft_quantization"] == "int8"
+    # no stock pair held beside ours: one load, with the CPU kernels and the draft as the service has it (auto)
+    assert len(loads) == 1 and loads[0].get("cpu_kernels", True) and loads[0]["draft_quantization"] == "auto"
     report = json.loads((out / "results.json").read_text())
-    assert report["draft_quantization"] == "int8"
+    assert report["draft_quantization"] == "int8"  # what "auto" gave this float draft, read off the model
     # the verification cost by width, both with the library's layers and with ours, on the one target
     assert set(report["verification_cost"]) == {"stock", "ours"}
     rows = report["summary"]["default"]["greedy"]["methods"]
@@ -642,6 +643,22 @@ def test_benchmark_draft_beside_a_bfloat16_target_is_int8_as_load_pair_gives_it(
     plain = ours_draft(stock, "none")
     assert next(plain.parameters()).dtype == torch.bfloat16
     assert not any(isinstance(m, DynamicQuantizedLinear) for m in plain.modules())
+    assert measured_models(stock, plain)["draft_quantization"] == "none"
+
+
+@pytest.mark.skipif(not grouped_kernel(), reason="the grouped kernel is not built here")
+def test_benchmark_names_a_grouped_draft_by_its_bits():
+    """A draft in 4-bit groups (draft_quantization "auto" on the default pair, or "int4") is reported as int4; one
+    with other groups (the GGUF's own 5- to 8-bit forms) as shipped."""
+    from specdec.cpu.grouped import quantize_model
+
+    target = make_model("llama", seed=0)
+    four = make_model("llama", seed=1)
+    quantize_model(four, 4)
+    eight = make_model("llama", seed=1)
+    quantize_model(eight, 8)
+    assert measured_models(target, four)["draft_quantization"] == "int4"
+    assert measured_models(target, eight)["draft_quantization"] == "shipped"
 
 
 def test_prompt_cache_workloads_run_end_to_end_on_the_tiny_pair(tmp_path):

@@ -49,6 +49,13 @@ def test_loads_from_the_converted_cache(real_pair):
     assert Path(decoder.draft_model.name_or_path) == Path(draft_dir)
     assert decoder.target_model.config.num_hidden_layers == 28 and decoder.draft_model.config.num_hidden_layers == 24
     assert decoder.vocab_size == 151_936
+    # draft_quantization = "auto": the draft's linear layers all in 4-bit groups, the target's as shipped (Q4_K, Q6_K)
+    from specdec.cpu.grouped import GroupedLinear, grouped_kernel
+
+    if grouped_kernel():
+        bits = {role: {m.bits for m in model.modules() if isinstance(m, GroupedLinear)}
+                for role, model in (("draft", decoder.draft_model), ("target", decoder.target_model))}
+        assert bits == {"draft": {4}, "target": {4, 6}}
 
 
 def test_vocabularies_identical(real_pair):

@@ -137,11 +137,15 @@ def test_quick_prepare_trusts_a_whole_int8_form_to_loading_and_builds_a_missing_
     monkeypatch.setattr(default_pair, "prepare_model", lambda source, force=False: default_pair.model_dir(source))
     built, packed = [], []
     monkeypatch.setattr(load, "keep_int8_draft", lambda source: built.append(source.path) or "kept")
-    monkeypatch.setattr(shipped, "keep_shipped", lambda source: packed.append(source.path) or "kept")
+    monkeypatch.setattr(shipped, "keep_shipped",
+                        lambda source, requantize=None: packed.append((source.path, requantize)) or "kept")
     form = cache.int8_form_path(default_pair.model_dir(default_pair.DRAFT))
 
     assert command.main(["prepare", "--quick"]) == 0 and len(built) == 1  # no form yet: built
-    assert len(packed) == 2  # no packed GGUF weights yet, for either model: packed
+    # no packed GGUF weights yet: packed for both models, and the draft's 4-bit form (draft_quantization = "auto")
+    assert sorted(requantize or 0 for _, requantize in packed) == [0, 0, 4]
+    assert {path for path, requantize in packed if requantize == 4} == {
+        str(default_pair.model_dir(default_pair.DRAFT))}
     header = json.dumps({"w": {"dtype": "I8", "shape": [2, 2], "data_offsets": [0, 4]}}).encode()
     form.parent.mkdir(parents=True)
     form.write_bytes(struct.pack("<Q", len(header)) + header + b"\x01\x02\x03")  # one byte short
@@ -172,6 +176,7 @@ def test_the_quick_prepare_imports_no_torch(tmp_path):
         form.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
         for source in (default_pair.DRAFT, default_pair.TARGET):  # the packed GGUF weights are there too
             shipped_form_path(default_pair.model_dir(source)).write_bytes(form.read_bytes())
+        shipped_form_path(default_pair.model_dir(default_pair.DRAFT), 4).write_bytes(form.read_bytes())
         assert command.main(["prepare", "--quick"]) == 0
         print(sorted(name for name in ("torch", "transformers") if name in sys.modules))
     """)

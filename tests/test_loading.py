@@ -129,7 +129,7 @@ def test_load_pair_quantizes_a_cpu_draft_unless_told_not_to(tiny_pair_dirs):
     def int8(model):
         return any(isinstance(m, Int8Linear) for m in model.modules())
 
-    draft, target, _ = load_pair(*tiny_pair_dirs, device="cpu")
+    draft, target, _ = load_pair(*tiny_pair_dirs, device="cpu")  # "auto": int8 for a draft not shipped in GGUF
     if quantization_supported():
         assert int8(draft) and not any(type(m) in (torch.nn.Linear, *fast) for m in draft.modules())
     assert not int8(target) and any(isinstance(m, fast) for m in target.modules())  # never quantized

@@ -14,24 +14,25 @@ from .checkpoint import fingerprint
 from .sources import ModelSource
 from .weights import ReadyForm
 
-DRAFT_QUANTIZATIONS = ("int8", "int4", "none")
+DRAFT_QUANTIZATIONS = ("auto", "int8", "int4", "none")
 
 
 def resolve_draft_quantization(value: str | None) -> str:
-    """"int8", "int4" or "none" (None is "none")."""
+    """"auto", "int8", "int4" or "none" (None is "none"); load_pair decides what "auto" is for its draft."""
     name = "none" if value is None else str(value).strip().lower()
     if name not in DRAFT_QUANTIZATIONS:
-        raise SpecDecError(f"draft_quantization must be int8, int4 or none, got {value!r}",
+        raise SpecDecError(f"draft_quantization must be auto, int8, int4 or none, got {value!r}",
                            field="draft_quantization")
     return name
 
 
 def quantizes_draft(device: torch.device, dtype: torch.dtype, draft_quantization: str) -> bool:
     """Whether a draft for a pair in `dtype` on `device` runs int8 (and is then loaded in float32, the int8
-    layers' activations): on CPU, in float32 or bfloat16, where torch has an int8 engine."""
+    layers' activations): on CPU, in float32 or bfloat16, where torch has an int8 engine. "auto" is "int8" for a
+    float draft."""
     from ..cpu.linear import quantization_supported
 
-    return draft_quantization == "int8" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
+    return draft_quantization in ("int8", "auto") and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
         and quantization_supported()
 
 

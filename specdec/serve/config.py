@@ -41,7 +41,7 @@ class Settings(BaseModel):
     draft_model: str = Field(min_length=1)
     device: str = Field(min_length=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"]
-    draft_quantization: Literal["int8", "int4", "none"]
+    draft_quantization: Literal["auto", "int8", "int4", "none"]
     compile: Literal["auto", "true", "false"]
     weights: Literal["shipped", "float"]
     quantize: Literal["none", "int4", "int8"]

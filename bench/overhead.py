@@ -182,7 +182,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--draft-quantization", default=None,
-                        help="default: none for the tiny pair (compiled whole), int8 for the default pair")
+                        help="default: none for the tiny pair (compiled whole), auto (the service's) for the default pair")
     parser.add_argument("--no-service", action="store_true", help="in-process rows only")
     parser.add_argument("--paths", type=lambda v: v.split(","), default=["eager", "compiled"],
                         help="eager, compiled or both (comma-separated)")
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
                         help="the service's stream_interval (default: config/default.toml's)")
     parser.add_argument("--out", default="bench/results/overhead")
     args = parser.parse_args(argv)
-    args.draft_quantization = args.draft_quantization or ("none" if args.pair == "tiny" else "int8")
+    args.draft_quantization = args.draft_quantization or ("none" if args.pair == "tiny" else "auto")
     args.threads = args.threads or (1 if args.pair == "tiny" else 2)
     torch.set_num_threads(args.threads)
     out = Path(args.out)

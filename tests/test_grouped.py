@@ -366,6 +366,25 @@ def test_grouped_greedy_speculative_equals_grouped_target_only(drafter, rule, me
     assert result.stats.accepted > 0
 
 
+@pytest.mark.parametrize("hidden", [64, 48])  # 4-bit layers; 8-bit groups of 16 (K not a multiple of 64)
+def test_wide_verifications_keep_greedy_speculative_equal_to_target_only(hidden):
+    """gamma 8: verifications of up to 9 rows (by AMX tiles where the CPU has them: from 5 rows of the 4-bit form,
+    8 of the others) against target-only's one-row steps (VNNI): the tokens are target-only's all the same."""
+    def model():
+        return make_model("llama", seed=0, vocab_size=100, hidden=hidden, initializer_range=0.3)
+
+    target, draft = grouped_model(model()), grouped_model(perturbed_copy(model(), noise=0.02))
+    assert {m.bits for m in target.modules() if isinstance(m, GroupedLinear)} == ({4} if hidden == 64 else {8})
+    decoder = SpeculativeDecoder(draft, target)
+    prompt = [5, 17, 42, 8, 99, 3]
+    reference = decoder.generate(prompt, max_new_tokens=48, method="target", temperature=0,
+                                 eos_token_id=[]).token_ids
+    result = decoder.generate(prompt, max_new_tokens=48, gamma=8, temperature=0, eos_token_id=[])
+    assert result.token_ids == reference
+    stats = result.stats  # rounds verify 8 proposals and the bonus, but where max_new_tokens cuts the last ones
+    assert stats.proposed > 6 * stats.drafts and stats.accepted > 0
+
+
 # --- quantize: float models in the same forms ---------------------------------------------------------------------
 
 def range_levels_error(w: torch.Tensor) -> torch.Tensor:

@@ -25,9 +25,10 @@
 // in two planes per 64 values of K (16 chunks of 4): 8 loads of low nibbles (chunks 2i and 2i + 1 in load i's low
 // and high nibbles), then the top bits (6-bit: 4 loads, chunks 4h .. 4h + 3 two bits each; 5-bit: 2 loads, chunks
 // 8h .. 8h + 7 one bit each); a chunk's bytes are rebuilt as low | top << 4, and 2^(bits - 1) * sum(xq) is taken off
-// each group's sum. Their integer sums are those of the 8-bit form, so they give its bits. Each tile's weights are read once for up to 8 rows
-// of x, so a few rows cost little more than one, and every output is computed in the same order whatever the number
-// of rows: a row's result is bitwise the same alone or with others. Without AVX-512 VNNI, AVX2 computes the same
+// each group's sum. Their integer sums are those of the 8-bit form, so they give its bits. Each tile's weights are
+// read once for up to 8 rows of x (16 by AMX tiles where the CPU has them: below), so a few rows cost little more
+// than one, and every output is computed in the same order whatever the number of rows: a row's result is bitwise
+// the same alone or with others. Without AVX-512 VNNI, AVX2 computes the same
 // integer sums 8 rows at a time (vpmaddubsw and vpmaddwd); without AVX2, lane by lane. Each path has the same
 // integer sums and the same float operations in the same order, so the same bits (`isa()` says which was built).
 #include <ATen/Parallel.h>

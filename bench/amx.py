@@ -10,34 +10,24 @@ CPU has no AMX both columns are the VNNI path's (the report says which). Writes 
 """
 
 import argparse
-import statistics
 import time
 
 WIDTHS = (1, 2, 5, 8, 12, 16)
 
 
-def forward_ms(forwards: dict, configs: dict, widths=WIDTHS, repeats=12, cached=300) -> dict:
-    """{"<role>-<amx|vnni>-<n>": median ms} of each model's forward (`CachedModel`'s fused or native path) over n
-    new tokens after `cached` ones, AMX on and off, interleaved; the first two repeats are warm-up."""
+def forward_ms(forwards: dict, configs: dict, widths=WIDTHS, repeats=12) -> dict:
+    """{"<role>-<amx|vnni>-<n>": median ms} (`bench.forwards.forward_ms_by_path`), the AMX path on and off."""
     import torch
 
-    from specdec.kv_cache import growing_cache
+    from bench.forwards import forward_ms_by_path
 
-    times: dict[str, list[float]] = {}
-    ids = torch.randint(0, 30000, (1, cached + max(widths)), generator=torch.Generator().manual_seed(0))
-    for role, forward in forwards.items():
-        cache = growing_cache(configs[role])
-        forward(ids[:, :cached], cache, 1)
-        for _ in range(repeats + 2):
-            for path in ("vnni", "amx"):
-                torch.ops.specdec_grouped.amx(path == "amx")
-                for n in widths:
-                    start = time.perf_counter()
-                    forward(ids[:, cached:cached + n], cache, n)
-                    times.setdefault(f"{role}-{path}-{n}", []).append(time.perf_counter() - start)
-                    cache.crop(-n)
-    torch.ops.specdec_grouped.amx(True)
-    return {key: statistics.median(values[2:]) * 1000 for key, values in times.items()}
+    def use(on: bool):
+        return lambda role: torch.ops.specdec_grouped.amx(on)
+
+    try:
+        return forward_ms_by_path(forwards, configs, {"vnni": use(False), "amx": use(True)}, widths, repeats)
+    finally:
+        torch.ops.specdec_grouped.amx(True)
 
 
 def report(ms: dict, amx: bool, command: str, when: str, threads: int) -> tuple[dict, str]:

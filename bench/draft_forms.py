@@ -11,7 +11,6 @@ results.md.
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -56,13 +55,9 @@ def measure(args) -> list[dict]:
     return rows
 
 
-def ratios(rows: list[dict], top: str, bottom: str) -> dict:
-    values = sorted(r[top] / r[bottom] for r in rows)
-    return {"median": statistics.median(values), "low": values[0], "high": values[-1]}
-
-
 def report(rows: list[dict], command: str, when: str) -> tuple[dict, str]:
     from bench.machine import machine_info
+    from bench.summary import ratios
 
     summary = {
         "google-int4 / google-int8": ratios(rows, "google-int4", "google-int8"),

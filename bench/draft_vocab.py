@@ -57,18 +57,14 @@ def measure(args) -> list[dict]:
     return rows
 
 
-def ratios(values: list[float]) -> dict:
-    values = sorted(values)
-    return {"median": statistics.median(values), "low": values[0], "high": values[-1]}
-
-
 def report(rows: list[dict], sizes: list[int], command: str, when: str) -> tuple[dict, str]:
     from bench.machine import machine_info
+    from bench.summary import ratios
 
-    summary = {"google / target, whole vocabulary": ratios([r["google-0"] / r["target"] for r in rows])}
+    summary = {"google / target, whole vocabulary": ratios(rows, "google-0", "target")}
     for size in sizes:
-        summary[f"google {size} / google whole"] = ratios([r[f"google-{size}"] / r["google-0"] for r in rows])
-        summary[f"google {size} / target"] = ratios([r[f"google-{size}"] / r["target"] for r in rows])
+        summary[f"google {size} / google whole"] = ratios(rows, f"google-{size}", "google-0")
+        summary[f"google {size} / target"] = ratios(rows, f"google-{size}", "target")
     acceptance = {size: statistics.mean(r[f"acceptance-{size}"] for r in rows) for size in [0, *sizes]}
     differ = sum(r["differ"] for r in rows)
     machine = machine_info()

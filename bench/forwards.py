@@ -35,6 +35,31 @@ def forward_ms_by_width(model, context: int, widths: list[int], device, repeats:
     return {n: statistics.median(ms[2:]) for n, ms in times.items()}
 
 
+@torch.inference_mode()
+def forward_ms_by_path(forwards: dict, configs: dict, paths: dict, widths, repeats: int, cached: int = 300) -> dict:
+    """{"<role>-<path>-<n>": median ms} of each model's own forward (`forwards[role](ids, cache, n)`: the fused or
+    native one CachedModel runs, not the library's) over n new tokens after `cached` ones, under each of `paths`
+    (name -> a function of the role that switches the path on). Paths and widths take turns within each repeat, as
+    in `forward_ms_by_width`; the first two repeats warm up."""
+    from specdec.kv_cache import growing_cache
+
+    times: dict[str, list[float]] = {}
+    for role, forward in forwards.items():
+        ids = torch.randint(0, min(configs[role].vocab_size, 30000), (1, cached + max(widths)),
+                            generator=torch.Generator().manual_seed(0))
+        cache = growing_cache(configs[role])
+        forward(ids[:, :cached], cache, 1)
+        for _ in range(repeats + 2):
+            for path, switch in paths.items():
+                switch(role)
+                for n in widths:
+                    start = time.perf_counter()
+                    forward(ids[:, cached:cached + n], cache, n)
+                    times.setdefault(f"{role}-{path}-{n}", []).append((time.perf_counter() - start) * 1e3)
+                    cache.crop(-n)
+    return {key: statistics.median(values[2:]) for key, values in times.items()}
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -12,7 +12,6 @@ same tokens: the report counts any that do not. Writes results.json and results.
 import argparse
 import contextlib
 import json
-import statistics
 import sys
 import time
 
@@ -74,13 +73,9 @@ def measure(args) -> list[dict]:
     return rows
 
 
-def ratios(rows: list[dict], top: str, bottom: str) -> dict:
-    values = sorted(r[top] / r[bottom] for r in rows)
-    return {"median": statistics.median(values), "low": values[0], "high": values[-1]}
-
-
 def report(rows: list[dict], command: str, when: str, args) -> tuple[dict, str]:
     from bench.machine import machine_info
+    from bench.summary import ratios
 
     summary = {f"{method}: fused / library": ratios(rows, f"{method}-fused", f"{method}-library")
                for method in METHODS}

@@ -13,7 +13,6 @@ bitwise the fused ones). Writes results.json and results.md.
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -21,29 +20,22 @@ STEPS = ("fused", "native")
 
 
 def step_ms(forwards: dict, configs: dict, widths=(1, 5), repeats=20) -> dict:
-    """Median ms of each model's forward of n tokens after 300 cached ones, with each step ("draft-fused-1", ...)."""
-    import torch
+    """{"<role>-<fused|native>-<n>": median ms} of each model's forward of n tokens after 300 cached ones, with each
+    step (`bench.forwards.forward_ms_by_path`, interleaved)."""
+    from bench.forwards import forward_ms_by_path
 
-    from specdec.kv_cache import growing_cache
+    natives = {role: forward.native for role, forward in forwards.items()}
 
-    out = {}
-    ids = torch.randint(0, 30000, (1, 300), generator=torch.Generator().manual_seed(0))
-    for role, forward in forwards.items():
-        native = forward.native
-        for n in widths:
-            for step in STEPS:
-                forward.native = native if step == "native" else None
-                cache = growing_cache(configs[role])
-                forward(ids, cache, 1)
-                times = []
-                for i in range(repeats + 3):
-                    start = time.perf_counter()
-                    forward(ids[:, i:i + n], cache, n)
-                    times.append(time.perf_counter() - start)
-                    cache.crop(-n)
-                out[f"{role}-{step}-{n}"] = statistics.median(times[3:]) * 1000
-        forward.native = native
-    return out
+    def use(step: str):
+        def switch(role: str) -> None:
+            forwards[role].native = natives[role] if step == "native" else None
+        return switch
+
+    try:
+        return forward_ms_by_path(forwards, configs, {step: use(step) for step in STEPS}, widths, repeats)
+    finally:
+        for role, forward in forwards.items():
+            forward.native = natives[role]
 
 
 def measure(args) -> tuple[dict, list[dict]]:
@@ -98,8 +90,8 @@ def measure(args) -> tuple[dict, list[dict]]:
 
 
 def report(steps: dict, rows: list[dict], command: str, when: str) -> tuple[dict, str]:
-    from bench.fused_forward import ratios
     from bench.machine import machine_info
+    from bench.summary import ratios
 
     summary = {
         "target-native / target-fused": ratios(rows, "target-native", "target-fused"),

@@ -9,6 +9,17 @@ from specdec.adaptive import expected_speedup, fit_alpha
 PAIRED_BASELINES = ("target", "hf_lookup", "model-token")  # issue 18 set its targets against these three
 
 
+def spread(values: list[float]) -> dict:
+    """{"median", "low", "high"} of values: how the paired benchmarks summarise per-prompt ratios."""
+    values = sorted(values)
+    return {"median": statistics.median(values), "low": values[0], "high": values[-1]}
+
+
+def ratios(rows: list[dict], top: str, bottom: str) -> dict:
+    """`spread` of row[top] / row[bottom] over rows: a ratio taken within each prompt, then summarised."""
+    return spread([r[top] / r[bottom] for r in rows])
+
+
 def _median(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None

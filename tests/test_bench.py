@@ -850,3 +850,20 @@ def test_amx_report_gives_each_width_against_vnni_and_against_one_token():
     assert record["summary"]["draft-1"]["speedup"] == pytest.approx(1.0)
     assert "| target | 4 | 120.0 | 96.0 | 1.25x | 2.00 | 1.60 |" in text
     assert "not usable" in report(ms, False, "c", "now", 2)[1]
+
+
+def test_forward_ms_by_path_times_every_role_path_and_width_taking_turns():
+    """bench.forwards.forward_ms_by_path (bench.amx, bench.native_step): each model's own forward, a median per
+    role, path and width, the paths switched on in turn within every repeat (so drift lands on all alike)."""
+    from bench.forwards import forward_ms_by_path
+    from specdec.fused_forward import fused_forward
+
+    model = make_model("llama", seed=0)
+    forward = fused_forward(model)
+    assert forward is not None
+    switched = []
+    paths = {name: (lambda role, name=name: switched.append((role, name))) for name in ("a", "b")}
+    ms = forward_ms_by_path({"target": forward}, {"target": model.config}, paths, (1, 3), repeats=2, cached=8)
+    assert set(ms) == {"target-a-1", "target-a-3", "target-b-1", "target-b-3"}
+    assert all(value > 0 for value in ms.values())
+    assert switched == [("target", "a"), ("target", "b")] * 4  # two warm-up repeats, then two timed

@@ -702,9 +702,8 @@ Passes passes(const Layer& L, int64_t M) {
     return {(M + chunks - 1) / chunks, true};
   }
 #endif
-  const int64_t most = kMaxRows;
   // all M rows in equal passes: the first streams the tile from memory, the next find it in cache
-  const int64_t chunks = (M + most - 1) / most;
+  const int64_t chunks = (M + kMaxRows - 1) / kMaxRows;
   return {(M + chunks - 1) / chunks, false};
 }
 

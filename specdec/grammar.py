@@ -123,10 +123,15 @@ class CompiledGrammar:
         self.width = width  # the grammar tokenizer's vocabulary, which its bitmasks cover
         self.eos = eos  # the tokenizer's end-of-sequence token, the one proposed where the grammar is complete
         self.compile_seconds = compile_seconds
+        self.failed = False  # a state of it failed: its matchers share a lexer in an error state, it is not reused
 
     def start(self, eos: set[int]) -> "GrammarState":
         """A request's state at the grammar's start; `eos`: the ids that end its generation."""
-        return GrammarState(self._matcher.deep_copy(), self.vocab_size, eos, self.eos, self.width, self.specials)
+        return GrammarState(self._matcher.deep_copy(), self.vocab_size, eos, self.eos, self.width, self.specials,
+                            constraint=self.constraint, on_error=self._fail)
+
+    def _fail(self) -> None:
+        self.failed = True
 
 
 class GrammarCompiler:
@@ -148,6 +153,8 @@ class GrammarCompiler:
         """The constraint's CompiledGrammar, from the cache if it was compiled before; a SpecDecError naming
         the constraint's field if it is invalid or beyond the limits."""
         key = constraint.key
+        if key in self._cache and self._cache[key].failed:  # compiled again, with a lexer of its own
+            del self._cache[key]
         if key in self._cache:
             self.hits += 1
             self._cache.move_to_end(key)
@@ -182,11 +189,19 @@ class GrammarState:
 
     End-of-sequence tokens: the grammar has one (the tokenizer's); every id in `eos` is allowed exactly where it
     is, and none is fed to the matcher (a generation ends on it). `seconds` is the time spent in the grammar
-    (masks, forced tokens, state), `masks` the masks computed."""
+    (masks, forced tokens, state), `masks` the masks computed.
+
+    llguidance builds its lexer lazily, so a grammar within the limits at compilation may exceed them later (a
+    regex such as `a{999999}`, at its first token): the matcher then fails, and so does the request, with a
+    SpecDecError naming the constraint's field (`on_error` is told first), never an output cut short as if the
+    grammar were complete."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: set[int], preferred_eos: int | None = None,
-                 width: int | None = None, specials: torch.Tensor | None = None):
+                 width: int | None = None, specials: torch.Tensor | None = None, *,
+                 constraint: Constraint | None = None, on_error=None):
         self.matcher = matcher
+        self.constraint = constraint
+        self._on_error = on_error
         self.vocab_size = vocab_size
         self.eos = sorted(t for t in eos if t < vocab_size)
         self.end = preferred_eos if preferred_eos in self.eos else (self.eos[0] if self.eos else None)
@@ -203,12 +218,13 @@ class GrammarState:
         if self._mask is None:
             start = time.perf_counter()
             llguidance.torch.fill_next_token_bitmask(self.matcher, self._bits)
+            self._check()
             bits = ((self._bits[0].unsqueeze(-1) >> self._shifts) & 1).flatten()[: self.vocab_size].bool()
             self._refuse_specials(bits)
             can_end = self.matcher.is_accepting() or self.matcher.is_stopped()
             if self.eos:
                 bits[self.eos] = can_end
-            if not bool(bits.any()):  # complete, or an error state: nothing is possible but to end
+            if not bool(bits.any()):  # complete: nothing is possible but to end
                 bits[self.eos] = True
                 if not self.eos:  # a model without an end-of-sequence token goes on unconstrained
                     bits[:] = True
@@ -235,9 +251,21 @@ class GrammarState:
             if self.matcher.is_stopped():
                 return self.end
             tokens = self.matcher.compute_ff_tokens()
+            self._check()
             return tokens[0] if tokens and tokens[0] < self.vocab_size else None
         finally:
             self.seconds += time.perf_counter() - start
+
+    def _check(self) -> None:
+        """Raise if the matcher has failed: the request's constraint went beyond the grammar engine's limits."""
+        if not self.matcher.is_error():
+            return
+        if self._on_error is not None:
+            self._on_error()
+        kind, field = (self.constraint.kind, self.constraint.field) if self.constraint else ("grammar", None)
+        reason = _first_lines(self.matcher.get_error(), 1)
+        raise SpecDecError(f"the {kind} is beyond the grammar engine's limits after {len(self.tokens)} tokens "
+                           f"({reason}); simplify it (smaller repetition counts, fewer alternatives)", field=field)
 
     def allows(self, token: int) -> bool:
         return bool(self.allowed()[token])
@@ -246,7 +274,8 @@ class GrammarState:
         """Consume one allowed token (an end-of-sequence token only moves the position)."""
         start = time.perf_counter()
         if token not in self.eos and not self.matcher.consume_token(token):
-            raise SpecDecError(f"the grammar cannot take token {token}: {_first_lines(self.matcher.get_error())}")
+            self._check()
+            raise SpecDecError(f"the grammar cannot take token {token}")  # an engine bug: it proposed no such token
         self.tokens.append(token)
         self._mask = None
         self.seconds += time.perf_counter() - start

@@ -116,6 +116,24 @@ def test_a_grammar_the_tokenizer_cannot_write_ends_the_generation(tiny, method):
         assert tokenizer.decode(result.token_ids, skip_special_tokens=True) in ("", "ab")
 
 
+@pytest.mark.parametrize("method", ["target", "google"])
+def test_a_grammar_beyond_the_limits_while_decoding_fails_naming_its_field(tiny, method):
+    """llguidance builds its lexer lazily: `a{999999}` compiles, then fails at its first token, and its matchers
+    (copies sharing the lexer) start in an error state from then on, with no token allowed. Each request with it
+    fails with a SpecDecError naming the field, the first and every later one (the compiler drops the failed
+    grammar), never ending at once as if the grammar were complete, which once answered "stop" with an empty
+    text that does not match the regex."""
+    decoder, tokenizer, compiler = tiny
+    prompt = tokenizer.encode("pick:", add_special_tokens=False)
+    constraint = Constraint("regex", "a{999999}", field="structured_outputs.regex")
+    for seed in range(3):
+        with pytest.raises(SpecDecError, match="beyond the grammar engine's limits") as error:
+            decoder.generate(prompt, params=SamplingParams(max_new_tokens=4, seed=seed, method=method),
+                             grammar=compiler.compile(constraint))
+        assert error.value.field == "structured_outputs.regex"
+    assert compiler.compile(Constraint("regex", "a{3}")).start(set()).allowed().sum() == 1  # the others are fine
+
+
 def test_regex_and_choice_constraints(tiny):
     decoder, tokenizer, compiler = tiny
     prompt = tokenizer.encode("pick:", add_special_tokens=False)

@@ -50,6 +50,8 @@ def test_predict_takes_response_format_and_structured_outputs(client):
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, None),
     ({"structured_outputs": {"choice": ["a", "b"]}, "ignore_eos": True}, "ignore_eos"),
+    ({"structured_outputs": {"regex": "a{999999}"}}, "structured_outputs.regex"),  # fails at its first token
+    ({"structured_outputs": {"regex": "a{999999}"}}, "structured_outputs.regex"),  # and again, not "stop"
 ])
 def test_predict_refuses_bad_constraints_naming_the_field(client, extra, field):
     response = client.post("/predict", json={"prompt": "Who is", **extra})

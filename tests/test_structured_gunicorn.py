@@ -103,10 +103,10 @@ def test_tool_choice_required_and_named(client, parallel):
         message = answer.choices[0].message
         assert answer.choices[0].finish_reason == "tool_calls" and message.tool_calls and not message.content
         _check_calls(message, [WEATHER, ADD])
-        if not parallel:
+        if not parallel or choice != "required":  # a named function is called once, as vLLM and OpenAI do
             assert len(message.tool_calls) == 1
         if choice != "required":
-            assert {call.function.name for call in message.tool_calls} == {"add"}
+            assert message.tool_calls[0].function.name == "add"
 
 
 def test_tool_choice_auto_answers_in_text_or_with_valid_calls(client):

@@ -8,7 +8,15 @@ import json
 import jsonschema
 import pytest
 
-from specdec.serve.structured import ToolCallReader, parse_tool_calls, template_messages
+from specdec.grammar import GrammarCompiler
+from specdec.serve.structured import (
+    NamedToolChoice,
+    Tool,
+    ToolCallReader,
+    parse_tool_calls,
+    template_messages,
+    tool_constraint,
+)
 
 pytestmark = [pytest.mark.usefixtures("clean_env"), pytest.mark.xdist_group("openai")]
 
@@ -125,6 +133,23 @@ def test_a_streamed_tool_call_sends_its_arguments_as_they_are_decoded(client):
     assert len(pieces) > 1
     assert "".join(pieces) == whole["message"]["tool_calls"][0]["function"]["arguments"]
     assert set(json.loads("".join(pieces))) == {"a", "b"}
+
+
+@pytest.mark.parametrize("choice, more", [("required", True), ({"type": "function", "function": {"name": "add"}}, False)])
+def test_a_named_function_is_called_once_required_tools_as_often_as_the_model_likes(service_tokenizer, choice, more):
+    """After one complete call, `required` with parallel calls may go on to another; a named function may only
+    end (as vLLM and OpenAI answer it), whatever parallel_tool_calls says."""
+    tools = [Tool(type="function", function={"name": "add", "parameters": {"type": "object"}})]
+    choice = choice if isinstance(choice, str) else NamedToolChoice.model_validate(choice)
+    eos = service_tokenizer.convert_tokens_to_ids("<eos>")
+    state = GrammarCompiler(service_tokenizer, len(service_tokenizer)).compile(
+        tool_constraint(tools, choice, parallel=True, special=False)).start({eos})
+    for token in service_tokenizer.encode('<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>',
+                                          add_special_tokens=False):
+        assert state.allows(token)
+        state.advance(token)
+    allowed = state.allowed().nonzero().flatten().tolist()
+    assert eos in allowed and (len(allowed) > 1) == more
 
 
 @pytest.fixture

@@ -171,13 +171,16 @@ def _call_schema(function: FunctionDefinition) -> dict:
 
 
 def tool_constraint(tools: list[Tool], tool_choice, parallel: bool, special: bool) -> Constraint | None:
-    """The grammar of an answer under tool_choice: required or named, only calls (one, or with `parallel` one
-    or more); auto, text with calls anywhere in it (each constrained from its <tool_call> on); none: no grammar.
-    `special`: <tool_call> and </tool_call> are tokens of the tokenizer (Qwen2.5's), matched as such."""
+    """The grammar of an answer under tool_choice: required, only calls (one, or with `parallel` one or more);
+    named, exactly one call of that function (as vLLM and OpenAI answer it: a small model left free to go on calls
+    it again and again, up to max_tokens); auto, text with calls anywhere in it (each constrained from its
+    <tool_call> on); none: no grammar. `special`: <tool_call> and </tool_call> are tokens of the tokenizer
+    (Qwen2.5's), matched as such."""
     if tool_choice == "none" or not tools:
         return None
     if isinstance(tool_choice, NamedToolChoice):
         tools = [tool for tool in tools if tool.function.name == tool_choice.function.name]
+        parallel = False
     begin, end = (CALL_BEGIN, CALL_END) if special else (json.dumps(CALL_BEGIN), json.dumps(CALL_END))
     lines = ["%llguidance {}"]
     bodies = []

@@ -60,7 +60,9 @@ class Constraint:
     def json_schema(cls, schema: dict | bool, field: str = "response_format") -> "Constraint":
         if not isinstance(schema, (dict, bool)):
             raise SpecDecError("the JSON schema must be an object", field=field)
-        return cls("json_schema", json.dumps(schema, sort_keys=True), field)
+        # the keys in the client's order: an object's properties are written in the order its schema lists them
+        # (as OpenAI's structured outputs write them), so the schema is not canonicalized by sorting
+        return cls("json_schema", json.dumps(schema), field)
 
     @classmethod
     def choice(cls, choices: list[str], field: str = "structured_outputs.choice") -> "Constraint":

@@ -508,6 +508,18 @@ def test_no_op_values_of_unsupported_fields_are_accepted(client):
     assert response.status_code == 200, response.get_json()
 
 
+def test_openai_platform_fields_are_accepted_and_leave_the_answer_as_it_is(client):
+    """metadata, store, service_tier, prompt_cache_key and safety_identifier serve OpenAI's own platform: a client
+    that sets them gets the answer it gets without them (greedy, so token for token), as vLLM answers."""
+    plain = chat(client, max_tokens=6, temperature=0).get_json()["choices"][0]["message"]
+    response = chat(client, max_tokens=6, temperature=0, metadata={"run": "r1", "team": "t"}, store=True,
+                    service_tier="auto", prompt_cache_key="k-1", safety_identifier="user-hash")
+    assert response.status_code == 200, response.get_json()
+    assert response.get_json()["choices"][0]["message"] == plain
+    error = chat(client, max_tokens=3, metadata={"k": 1}).get_json()["error"]  # OpenAI's values are strings
+    assert error["param"].startswith("metadata")
+
+
 def test_unknown_model_is_404_model_not_found(client):
     error = assert_openai_error(complete(client, model="gpt-4o"), 404, "model_not_found", "model")
     assert "'target'" in error["message"]

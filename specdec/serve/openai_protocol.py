@@ -371,6 +371,15 @@ class ChatCompletionRequest(_Request):
                                                              "a named function; required and named constrain the "
                                                              "answer to calls, auto each call once it starts")
     parallel_tool_calls: bool | None = Field(None, description="more than one call in an answer (default true)")
+    # OpenAI's fields for its own platform (stored completions, tiers, its prompt cache, abuse monitoring), which
+    # leave the answer as it is: accepted and ignored, as `user` is, so that clients that set them keep working
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16, description="accepted and ignored (nothing is stored)")
+    store: bool | None = Field(None, description="accepted and ignored (nothing is stored)")
+    service_tier: str | None = Field(None, max_length=64, description="accepted and ignored")
+    prompt_cache_key: str | None = Field(None, max_length=1024, description="accepted and ignored (the prompt "
+                                         "cache matches prompts by their tokens; see cache_prompt)")
+    safety_identifier: str | None = Field(None, max_length=1024, description="accepted and ignored")
     functions: _no_op_only({"type": "array", "maxItems": 0}, ([],),
                            "function calling is not supported (only an empty list)") = None
     function_call: _no_op_only({"type": "string", "enum": ["none"]}, ("none",),

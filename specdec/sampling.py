@@ -6,11 +6,12 @@ order, so draft and target are shaped exactly as `generate` would shape them. te
 is expressed as a one-hot distribution, which lets the rejection rule treat greedy like any other case.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-TOP_P_CANDIDATES = 1024  # top-p first looks at this many most likely tokens, and sorts everything only if needed
+TOP_P_CANDIDATES = 1024  # top-p's candidates at most, before it sorts everything
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
@@ -28,29 +29,40 @@ def warp_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
     return scores
 
 
-def top_p_removed(scores: torch.Tensor, top_p: float, candidates: int = TOP_P_CANDIDATES) -> torch.Tensor:
+def top_p_removed(scores: torch.Tensor, top_p: float, shortcut: bool = True) -> torch.Tensor:
     """TopPLogitsWarper's rule as a mask: in ascending order, a token whose cumulative probability is <= 1 - top_p
     is removed; the most likely token always stays.
 
-    Sorting a 150k vocabulary costs milliseconds per row, so the rule is first applied to the `candidates` most
-    likely tokens: when the mass outside them is already <= 1 - top_p, every outside token is removed whatever
-    its rank, and the candidates' cumulative sums only need that mass added. Otherwise: the full sort.
+    Sorting a 150k vocabulary costs milliseconds per row (18 ms on our CPUs; torch.topk of the 1,024 most likely
+    1.4 ms), so with `shortcut` the rule is applied to the candidates alone: the tokens within log((1 - top_p) / V)
+    of the most likely one (a median of 7 to 76 for the default pair's target at T 0.7 to 1, top-p 0.9 to 0.95),
+    or where those are more than TOP_P_CANDIDATES, the TOP_P_CANDIDATES most likely. When the tokens outside have
+    a mass <= 1 - top_p, the rule removes them all whatever their order (each cumulative sum among them is at most
+    that mass), and the candidates' cumulative sums only need that mass added; otherwise: the full sort. Row by row.
     """
-    cumulative = None
-    if candidates < scores.size(-1):
-        log_total = scores.logsumexp(dim=-1, keepdim=True)
-        top_scores, top_idx = torch.topk(scores, candidates, dim=-1, largest=True, sorted=True)
-        outside = 1.0 - (top_scores.logsumexp(dim=-1, keepdim=True) - log_total).exp()
-        if bool((outside <= 1 - top_p).all()):
-            ascending_idx = top_idx.flip(-1)
-            cumulative = outside + (top_scores.flip(-1) - log_total).exp().cumsum(dim=-1)
-    if cumulative is None:
-        sorted_scores, ascending_idx = torch.sort(scores, dim=-1, descending=False)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-    remove_sorted = cumulative <= (1 - top_p)
-    remove_sorted[..., -1:] = False  # always keep the most likely token
-    # tokens left out of ascending_idx (outside the candidates) stay removed
-    return torch.ones_like(scores, dtype=torch.bool).scatter_(-1, ascending_idx, remove_sorted)
+    size = scores.size(-1)
+    flat = scores.reshape(-1, size)
+    removed = torch.ones_like(flat, dtype=torch.bool)
+    margin = math.log((1 - top_p) / size)
+    for row, out in zip(flat, removed):
+        cumulative = None
+        if shortcut:
+            log_total = row.logsumexp(-1)
+            candidates = (row >= row.max() + margin).nonzero().squeeze(-1)
+            if len(candidates) > TOP_P_CANDIDATES:  # a flat distribution: the most likely ones may do
+                candidates = torch.topk(row, TOP_P_CANDIDATES).indices
+            top, order = row[candidates].sort()
+            outside = 1.0 - (top.logsumexp(-1) - log_total).exp()
+            if bool(outside <= 1 - top_p):
+                ascending_idx = candidates[order]
+                cumulative = outside + (top - log_total).exp().cumsum(-1)
+        if cumulative is None:
+            sorted_scores, ascending_idx = torch.sort(row, descending=False)
+            cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1 - top_p)
+        remove_sorted[-1:] = False  # always keep the most likely token
+        out.scatter_(-1, ascending_idx, remove_sorted)  # tokens outside the candidates stay removed
+    return removed.reshape(scores.shape)
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

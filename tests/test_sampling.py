@@ -26,14 +26,17 @@ def test_warpers_match_transformers(temperature, top_k, top_p):
     torch.testing.assert_close(ours, hf_probs(logits, temperature, top_k, top_p))
 
 
-@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])  # flat (full sort) to peaked (candidates suffice)
-@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
-def test_top_p_shortcut_removes_exactly_what_the_full_sort_does(scale, top_p):
-    logits = torch.randn(6, 3000, generator=torch.Generator().manual_seed(1)) * scale
-    full = top_p_removed(logits, top_p, candidates=10**9)
-    for candidates in (1, 16, 256):
-        assert torch.equal(top_p_removed(logits, top_p, candidates=candidates), full)
-    torch.testing.assert_close(logits_to_probs(logits, 1.0, 0, top_p), hf_probs(logits, 1.0, 0, top_p))
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0, 40.0])  # flat (nearly every token a candidate) to peaked
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99, 0.999])
+@pytest.mark.parametrize("size", [50, 3000, 151_936])
+def test_top_p_shortcut_removes_exactly_what_the_full_sort_does(scale, top_p, size):
+    logits = torch.randn(3, size, generator=torch.Generator().manual_seed(1)) * scale
+    logits[1, ::2] = float("-inf")  # a row that top-k or a grammar masked already
+    full = top_p_removed(logits, top_p, shortcut=False)
+    assert torch.equal(top_p_removed(logits, top_p), full)
+    assert torch.equal(top_p_removed(logits[0], top_p), full[0])  # one row alone, as a draft step has it
+    if size <= 3000:
+        torch.testing.assert_close(logits_to_probs(logits, 1.0, 0, top_p), hf_probs(logits, 1.0, 0, top_p))
 
 
 def test_top_k_keeps_ties():

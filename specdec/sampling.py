@@ -47,15 +47,17 @@ def top_p_removed(scores: torch.Tensor, top_p: float, shortcut: bool = True) -> 
     for row, out in zip(flat, removed):
         cumulative = None
         if shortcut:
-            log_total = row.logsumexp(-1)
-            candidates = (row >= row.max() + margin).nonzero().squeeze(-1)
+            probs = row.softmax(-1)  # not exp(row - logsumexp(row)): exp is 10x slower on the -inf of masked rows
+            chosen = row >= row.max() + margin
+            candidates = chosen.nonzero().squeeze(-1)
             if len(candidates) > TOP_P_CANDIDATES:  # a flat distribution: the most likely ones may do
                 candidates = torch.topk(row, TOP_P_CANDIDATES).indices
-            top, order = row[candidates].sort()
-            outside = 1.0 - (top.logsumexp(-1) - log_total).exp()
+                chosen = torch.zeros_like(chosen).index_fill_(0, candidates, True)
+            order = row[candidates].argsort()
+            outside = probs.masked_fill(chosen, 0).sum()
             if bool(outside <= 1 - top_p):
                 ascending_idx = candidates[order]
-                cumulative = outside + (top - log_total).exp().cumsum(-1)
+                cumulative = outside + probs[ascending_idx].cumsum(-1)
         if cumulative is None:
             sorted_scores, ascending_idx = torch.sort(row, descending=False)
             cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
@@ -81,9 +83,10 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 def token_probability(logits: torch.Tensor, token: int) -> float:
     """softmax(logits)[token], the model's own probability of `token` (no temperature, top-k or top-p), from the
-    (V,) logits without materialising the softmax: exp(logits[token] - logsumexp(logits))."""
-    logits = logits.float()
-    return float((logits[token] - logits.logsumexp(-1)).exp())
+    (V,) logits. Through the softmax, not exp(logits[token] - logsumexp(logits)): torch's exp takes a slow path on
+    -inf and underflowing inputs, and a draft over part of its vocabulary (models/draft_vocab.py) or a grammar's
+    mask leaves most logits -inf (0.7 ms against 0.1 for 151,936 logits on our CPUs)."""
+    return float(logits.float().softmax(-1)[token])
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:

@@ -28,11 +28,11 @@ def resolve_draft_quantization(value: str | None) -> str:
 
 def quantizes_draft(device: torch.device, dtype: torch.dtype, draft_quantization: str) -> bool:
     """Whether a draft for a pair in `dtype` on `device` runs int8 (and is then loaded in float32, the int8
-    layers' activations): on CPU, in float32 or bfloat16, where torch has an int8 engine. `draft_quantization` is
-    resolved already ("auto" is load_pair's to decide)."""
+    layers' activations): on CPU, in float32 or bfloat16, where torch has an int8 engine. "auto" is "int8" for a
+    float draft."""
     from ..cpu.linear import quantization_supported
 
-    return draft_quantization == "int8" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
+    return draft_quantization in ("int8", "auto") and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) \
         and quantization_supported()
 
 

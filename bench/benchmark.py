@@ -14,7 +14,9 @@ on extend, over the run's `--lookup` settings (so one run can interleave lookup 
 `draft` decode with one model alone. Hugging Face baselines run `generate` on the models exactly as
 `from_pretrained` loads them: `hf_lookup` (its prompt lookup, prompt_lookup_num_tokens=10), `hf_assisted`
 (assisted generation with the draft), and on request `hf_target` and `hf_assisted_own_memory`
-(assisted generation with the library's layers on weights copied into the process's memory, as ours are).
+(assisted generation with the library's layers on weights copied into the process's memory, as ours are) and
+`hf_assisted_fixed_threshold` (assisted generation without refitting the assistant's confidence threshold after
+every round, as it runs where scikit-learn is not installed; bench.methods.fixed_confidence_threshold).
 For every speculative run, the blocks it drafted are also scored under both verification rules
 (EXPECTED_ACCEPTED): block verification's gain in accepted tokens per round on the same proposals.
 Only generated tokens count, never prompt tokens. Results go to JSON, a Markdown table and a PNG plot, with

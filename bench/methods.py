@@ -20,8 +20,9 @@ from specdec.verification import EXPECTED_ACCEPTED
 SPECULATIVE = tuple(f"{drafter}-{rule}" for drafter in DRAFTERS for rule in VERIFICATIONS)
 OUR_METHODS = ("target", "draft") + SPECULATIVE
 HF_METHODS = ("hf_lookup", "hf_assisted")
-EXTRA_METHODS = ("google", "deepmind", "adaptive", "hf_target", "hf_assisted_own_memory")  # on request
-HF_ALL = ("hf_lookup", "hf_assisted", "hf_target", "hf_assisted_own_memory")
+EXTRA_METHODS = ("google", "deepmind", "adaptive", "hf_target", "hf_assisted_own_memory",
+                 "hf_assisted_fixed_threshold")  # on request
+HF_ALL = ("hf_lookup", "hf_assisted", "hf_target", "hf_assisted_own_memory", "hf_assisted_fixed_threshold")
 HF_PROMPT_LOOKUP_TOKENS = 10
 MODES = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
          "sampling": dict(temperature=0.7, top_k=0, top_p=0.9),
@@ -77,8 +78,25 @@ def measured_models(target, our_draft) -> dict:
     return {"dtype": str(target.dtype).removeprefix("torch."), "draft_quantization": form}
 
 
+@contextlib.contextmanager
+def fixed_confidence_threshold():
+    """Hugging Face's assisted generation as it runs where scikit-learn is not installed: the assistant's
+    confidence threshold stays at its default (0.4). Where scikit-learn imports (our dev environment has it, for
+    lm-eval), `generate` refits the threshold from a ROC curve after every round (`AssistedCandidateGenerator.
+    update_candidate_strategy`), which costs it 1.45x on the tiny pair; the benchmark measures both."""
+    from transformers.generation import candidate_generator
+
+    saved = candidate_generator.is_sklearn_available
+    candidate_generator.is_sklearn_available = lambda: False
+    try:
+        yield
+    finally:
+        candidate_generator.is_sklearn_available = saved
+
+
 def run_hf(method: str, draft, target, ids: list[int], max_new_tokens: int, mode: dict, seed: int) -> dict:
-    """One Hugging Face generate call; returns generated tokens and seconds."""
+    """One Hugging Face generate call; returns generated tokens and seconds. `hf_assisted_fixed_threshold` is
+    assisted generation without the threshold's refitting (fixed_confidence_threshold)."""
     device = input_device(target)
     input_ids = torch.tensor([ids], device=device)
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=mode["temperature"] > 0, repetition_penalty=1.0,
@@ -87,13 +105,14 @@ def run_hf(method: str, draft, target, ids: list[int], max_new_tokens: int, mode
         kwargs.update(temperature=mode["temperature"], top_k=mode["top_k"], top_p=mode["top_p"])
     else:
         kwargs.update(temperature=None, top_k=None, top_p=None)
-    if method in ("hf_assisted", "hf_assisted_own_memory"):
+    if method in ("hf_assisted", "hf_assisted_own_memory", "hf_assisted_fixed_threshold"):
         kwargs["assistant_model"] = draft
     elif method == "hf_lookup":
         kwargs["prompt_lookup_num_tokens"] = HF_PROMPT_LOOKUP_TOKENS
     torch.manual_seed(seed)
+    fixed = fixed_confidence_threshold() if method == "hf_assisted_fixed_threshold" else contextlib.nullcontext()
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), fixed:
         out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
     seconds = time.perf_counter() - start
     return {"new_tokens": out.shape[1] - len(ids), "total_seconds": seconds,

@@ -20,6 +20,7 @@ from bench.methods import (
     measured_models,
     our_method,
     ours_draft,
+    run_hf,
     run_ours,
     stock_layers,
     token_digest,
@@ -466,7 +467,8 @@ def test_gpu_script_smoke_on_cpu(tmp_path):
         assert stages[path]["google"]["tokens_per_second"] > 0
         for key in ("target/json", "target/sse", "google/json", "google/sse"):
             assert stages[f"{path}-service"][key]["tokens_per_second"] > 0
-    assert stages["hf"]["hf_generate"]["tokens_per_second"] > 0 and stages["hf"]["hf_assisted"]["tokens_per_second"] > 0
+    assert all(stages["hf"][name]["tokens_per_second"] > 0
+               for name in ("hf_generate", "hf_assisted", "hf_assisted_fixed_threshold"))
     assert all(rate > 0 for path in ("eager", "compiled") for rate in stages["random-7b"][path].values())
     assert report["projection"]["google_tokens_per_second"] > 0
 
@@ -867,3 +869,43 @@ def test_forward_ms_by_path_times_every_role_path_and_width_taking_turns():
     assert set(ms) == {"target-a-1", "target-a-3", "target-b-1", "target-b-3"}
     assert all(value > 0 for value in ms.values())
     assert switched == [("target", "a"), ("target", "b")] * 4  # two warm-up repeats, then two timed
+
+
+def test_hf_assisted_with_a_fixed_threshold_skips_the_roc_refit_and_decodes_the_same(tiny_pair_dirs, monkeypatch):
+    """The overhead benchmark's second assisted row: generate without the per-round ROC refit of the assistant's
+    confidence threshold (what scikit-learn's presence switches on), the same greedy tokens."""
+    pytest.importorskip("sklearn")
+    import sklearn.metrics
+    from transformers import AutoModelForCausalLM
+
+    calls = []
+    real = sklearn.metrics.roc_curve
+    monkeypatch.setattr(sklearn.metrics, "roc_curve", lambda *a, **k: calls.append(1) or real(*a, **k))
+    draft, target = (AutoModelForCausalLM.from_pretrained(folder).eval() for folder in tiny_pair_dirs)
+    ids = list(range(3, 20))
+    refit = run_hf("hf_assisted", draft, target, ids, 40, MODES["greedy"], 0)
+    assert calls, "the tiny pair's draft agrees often enough for HF to refit its threshold"
+    calls.clear()
+    fixed = run_hf("hf_assisted_fixed_threshold", draft, target, ids, 40, MODES["greedy"], 0)
+    assert calls == [] and fixed["token_digest"] == refit["token_digest"]
+    assert run_hf("hf_target", draft, target, ids, 40, MODES["greedy"], 0)["token_digest"] == refit["token_digest"]
+
+
+def test_overhead_table_compares_with_the_faster_of_hf_assisted_generations_two_configurations():
+    from bench import overhead
+
+    def row(rate):
+        return {"tokens_per_second": rate, "ms_per_round": 1.0, "ms_per_round_outside_forwards": 0.1}
+
+    results = {f"eager/{method}/in-process": row(400.0) for method in overhead.METHODS}
+    results.update(hf_generate={"tokens_per_second": 100.0}, hf_assisted={"tokens_per_second": 50.0},
+                   hf_assisted_fixed_threshold={"tokens_per_second": 200.0})
+    table = overhead.markdown({"command": "python -m bench.overhead", "date": "today", "machine": {"cpu": "x"},
+                               "pair": "tiny", "tokens": 200, "results": results})
+    assert "| eager | google-c0.4 | 400 | 4.00x | 2.00x |" in table  # against 200, not 50
+    assert "| HF | assisted generation | 50.0 | | 0.25x |" in table
+    assert "| HF | assisted generation, threshold fixed (as without scikit-learn) | 200 | | 1.00x |" in table
+    # older reports, with one assisted row, still render
+    del results["hf_assisted_fixed_threshold"]
+    assert "| eager | google | 400 | 4.00x | 8.00x |" in overhead.markdown(
+        {"command": "c", "date": "d", "machine": {}, "pair": "tiny", "tokens": 200, "results": results})

@@ -1,6 +1,7 @@
 """What a benchmark's results record beside its figures: the machine it ran on (the CPU, cores, threads, GPU and
 versions), the command that reproduces it, and the two files it writes."""
 
+import importlib.metadata
 import json
 import os
 import platform
@@ -18,10 +19,14 @@ def machine_info() -> dict:
     except OSError:
         pass
     import transformers
+    from transformers.utils import is_sklearn_available
+
+    # scikit-learn's presence changes HF assisted generation: it then refits its confidence threshold every round
+    sklearn = importlib.metadata.version("scikit-learn") if is_sklearn_available() else "absent"
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}
+            "python": platform.python_version(), "scikit_learn": sklearn}
 
 
 def command_line(module: str, argv: list[str] | None) -> str:

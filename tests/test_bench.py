@@ -136,6 +136,7 @@ def test_benchmark_end_to_end_on_tiny_pair(tiny_pair_dirs, tmp_path):
     assert (out / "results.png").read_bytes()[:4] == b"\x89PNG"
     table = (out / "results.md").read_text()
     assert "| hybrid-block |" in table and "| hf_lookup |" in table and report["machine"]["torch"]
+    assert report["machine"]["scikit_learn"] and "scikit_learn" in table  # it changes HF assisted generation
     assert "## grounded prompts, sampling" in table and "## default prompts, greedy" in table
     assert "| hf_assisted_own_memory |" in table and "vs HF assisted, own memory" in table
     startup = report["startup"]  # measured in a process of its own

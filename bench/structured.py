@@ -37,6 +37,7 @@ METHODS = {
     "model + grammar": ("google", "model", True, True, 0.0),
     "model + grammar, stop 0.6": ("google", "model", True, True, 0.6),
     "hybrid + grammar": ("google", "hybrid", True, True, 0.0),
+    "lookup + grammar": ("google", "lookup", True, True, 0.0),  # no draft model: no draft prefill, no draft steps
     "model (unconstrained)": ("google", "model", False, False, 0.0),
 }
 WINDOWS = ("whole", "past the first round", "past both prefills")

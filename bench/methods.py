@@ -83,7 +83,7 @@ def fixed_confidence_threshold():
     """Hugging Face's assisted generation as it runs where scikit-learn is not installed: the assistant's
     confidence threshold stays at its default (0.4). Where scikit-learn imports (our dev environment has it, for
     lm-eval), `generate` refits the threshold from a ROC curve after every round (`AssistedCandidateGenerator.
-    update_candidate_strategy`), which costs it 1.45x on the tiny pair; the benchmark measures both."""
+    update_candidate_strategy`), which cost it 1.45-4.4x on the tiny pair in our runs; the benchmark measures both."""
     from transformers.generation import candidate_generator
 
     saved = candidate_generator.is_sklearn_available

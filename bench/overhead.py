@@ -40,6 +40,10 @@ PROMPT = "def fibonacci(n):\n    "
 METHODS = {"target": {"method": "target"},
            "google": {"method": "google", "draft_confidence_threshold": 0.0},
            "google-c0.4": {"method": "google", "draft_confidence_threshold": 0.4}}
+# HF assisted generation's rows (each its run_hf method) and their labels: as it runs with scikit-learn installed,
+# and without (bench.methods.fixed_confidence_threshold)
+ASSISTED = {"hf_assisted": "assisted generation",
+            "hf_assisted_fixed_threshold": "assisted generation, threshold fixed (as without scikit-learn)"}
 
 
 def in_process(decoder: SpeculativeDecoder, ids: list[int], method: str, tokens: int) -> dict:
@@ -101,8 +105,7 @@ def hugging_face(draft_dir: str, target_dir: str, ids: list[int], tokens: int, r
     target.generation_config.eos_token_id = None  # as ours: exactly `tokens` new tokens
     draft.generation_config.eos_token_id = None
     rows = {}
-    for name, method in (("hf_generate", "hf_target"), ("hf_assisted", "hf_assisted"),
-                         ("hf_assisted_fixed_threshold", "hf_assisted_fixed_threshold")):
+    for name, method in (("hf_generate", "hf_target"), *((name, name) for name in ASSISTED)):
         run_hf(method, draft, target, ids, tokens, MODES["greedy"], 0)
         runs = [run_hf(method, draft, target, ids, tokens, MODES["greedy"], 0) for _ in range(repeats)]
         rows[name] = {"tokens_per_second": statistics.median(r["new_tokens"] / r["total_seconds"] for r in runs)}
@@ -158,12 +161,11 @@ def figure(rate: float) -> str:
 
 def markdown(report: dict) -> str:
     """One row per path and method: in-process figures, then the service's (JSON, SSE) as tokens/s and the
-    share of in-process; HF's two methods last."""
+    share of in-process; HF's rows last."""
     rows = report["results"]
     hf_generate = rows["hf_generate"]["tokens_per_second"]
     # assisted generation: the faster of its two configurations (older reports have one)
-    assisted = {name: rows[name]["tokens_per_second"] for name in ("hf_assisted", "hf_assisted_fixed_threshold")
-                if name in rows}
+    assisted = {name: rows[name]["tokens_per_second"] for name in ASSISTED if name in rows}
     hf_assisted = max(assisted.values())
 
     def service(key):
@@ -188,10 +190,8 @@ def markdown(report: dict) -> str:
             lines.append(f"| {path} | {method} | {figure(rate)} | {rate / hf_generate:.2f}x | {rate / hf_assisted:.2f}x "
                          f"| {row['ms_per_round']:.2f} ({row['ms_per_round_outside_forwards']:.2f}) "
                          f"| {service(f'{path}/{method}/service-json')} | {service(f'{path}/{method}/service-sse')} |")
-    labels = {"hf_assisted": "assisted generation",
-              "hf_assisted_fixed_threshold": "assisted generation, threshold fixed (as without scikit-learn)"}
     lines.append(f"| HF | generate | {figure(hf_generate)} | 1.00x | | | | |")
-    lines += [f"| HF | {labels[name]} | {figure(rate)} | | {rate / hf_assisted:.2f}x | | | |"
+    lines += [f"| HF | {ASSISTED[name]} | {figure(rate)} | | {rate / hf_assisted:.2f}x | | | |"
               for name, rate in assisted.items()]
     return "\n".join(lines) + "\n"
 

@@ -40,10 +40,11 @@ def markdown(report: dict) -> str:
              "", "Methods are drafter-verification (model-token is Google speculative sampling with the draft model); "
              f"hf_lookup is Hugging Face's prompt lookup (prompt_lookup_num_tokens={HF_PROMPT_LOOKUP_TOKENS}), "
              "hf_assisted its assisted generation (which refits its confidence threshold every round where "
-             "scikit-learn is installed: Machine's scikit_learn; hf_assisted_fixed_threshold never does). Rounds: the share served by the draft model / the lookup / "
-             "nobody (the target alone). Block gain: on the blocks the run drafted, expected accepted tokens per "
-             "round under block verification over token verification (EXPECTED_ACCEPTED); the Leviathan bound and "
-             "efficiency are for model drafting, one chain from the draft model.", ""]
+             "scikit-learn is installed: Machine's scikit_learn; hf_assisted_fixed_threshold never does). "
+             "Rounds: the share served by the draft model / the lookup / nobody (the target alone). Block gain: "
+             "on the blocks the run drafted, expected accepted tokens per round under block verification over "
+             "token verification (EXPECTED_ACCEPTED); the Leviathan bound and efficiency are for model drafting, "
+             "one chain from the draft model.", ""]
     startup = report.get("startup")
     if startup:
         gb = 1e9

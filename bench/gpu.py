@@ -12,7 +12,9 @@ forward at the real shapes but accept almost nothing; else (--tiny) the tests' t
    target-only and Google in-process;
 6. random-7b: a ~7B Llama-shape target and a ~0.5B draft, random weights, bfloat16: verification cost by gamma,
    and target-only / Google eager against compiled;
-7. compiled-service: the compiled path through the running service.
+7. compiled-service: the compiled path through the running service;
+8. int4: the target on torch's int4 kernel (`quantize = int4`; specdec/cuda/int4pack.py), the default target's
+   shape and the ~7B one: forward ms by width against bfloat16, row-invariance, tokens/s and greedy equality.
 
 Results go to --out after each stage, so a run cut short keeps what it measured. Random weights make acceptance
 meaningless, so for them the summary also projects Google's tokens/s from the measured forward costs and an
@@ -238,6 +240,61 @@ def stage_random_7b(run: Run) -> dict:
     return row
 
 
+def stage_int4(run: Run) -> dict:
+    """The target on torch's int4 kernel (specdec.cuda.int4pack, `quantize = int4`): the default pair's target
+    shape and a ~7B Llama shape, random weights quantized to 4-bit groups in place. For each: forward ms by width in
+    bfloat16 and int4, whether one layer's rows keep their bits whatever rows come with them, and target-only /
+    Google (gamma 4, greedy, the 0.5B-shape draft in bfloat16) tokens/s with greedy speculative output compared to
+    target-only's."""
+    from specdec.cuda.int4pack import Int4PackLinear, int4pack_model
+
+    draft_dir, target_dir = run.pair()
+    device = torch.device(run.device)
+    _, draft, _ = load_pair(draft_dir, draft_dir, device=run.device, compile=False, draft_quantization="none")
+    rows = {}
+    shapes = [("default-target", None), ("target-7b", "tiny-target" if run.args.tiny else "target-7b")]
+    for name, shape in shapes:
+        if run.left() < 60:
+            rows[name] = {"skipped": "out of time"}
+            break
+        if shape is None:
+            _, target, _ = load_pair(draft_dir, target_dir, device=run.device, compile=False,
+                                     draft_quantization="none", cpu_kernels=False)
+        else:
+            target = build(shape, draft.config.vocab_size, run.device, run.dtype)
+        row = {"bf16_ms_by_width": forward_ms_by_width(target, run.args.context, WIDTHS, device, run.args.repeats)}
+        started = time.perf_counter()
+        row["layers"] = int4pack_model(target)
+        row["quantize_seconds"] = time.perf_counter() - started
+        if not row["layers"]:
+            rows[name] = {**row, "skipped": "no layer the kernel takes"}
+            continue
+        row["int4_ms_by_width"] = forward_ms_by_width(target, run.args.context, WIDTHS, device, run.args.repeats)
+        layer = next(m for m in target.modules() if isinstance(m, Int4PackLinear))
+        x = torch.randn(9, layer.in_features, device=device, dtype=layer.compute_dtype)
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(9)])
+        row["rows_keep_their_bits"] = all(torch.equal(layer(x[:n]), alone[:n]) for n in (2, 5, 9))
+        prompt = torch.randint(0, draft.config.vocab_size, (run.args.context,)).tolist()
+        decoder = SpeculativeDecoder(draft, target)
+        outputs = {}
+        for method in ("target", "google"):
+            params = dict(max_new_tokens=run.args.tokens, method=method, gamma=4, temperature=0, eos_token_id=[])
+            decoder.generate(prompt, **params)
+            result = decoder.generate(prompt, **params)
+            row[f"{method}_tokens_per_second"] = result.stats.tokens_per_second
+            outputs[method] = result.token_ids
+        row["google_acceptance_rate"] = decoder.generate(prompt, **params).stats.acceptance_rate
+        row["greedy_google_equals_target"] = outputs["google"] == outputs["target"]
+        rows[name] = row
+        print(f"int4 {name}: {json.dumps(row)}", flush=True)
+        run.report["stages"]["int4"] = rows
+        run.save()
+        del target, decoder
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
 def random_pair_rates(decoder: SpeculativeDecoder, prompt: list[int], tokens: int) -> dict:
     """Target-only and Google (gamma 4, greedy) tokens/s on a random pair, after a warm-up."""
     rates = {}
@@ -253,6 +310,7 @@ STAGES = {
     "forwards": (stage_forwards, 30),
     "eager": (lambda run: stage_in_process(run, False), 30),
     "hf": (stage_hf, 30),
+    "int4": (stage_int4, 60),
     "eager-service": (lambda run: stage_service(run, False), 60),
     "compiled-forwards": (stage_compiled_forwards, 60),
     "compiled": (lambda run: stage_in_process(run, True), 90),

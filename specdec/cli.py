@@ -168,7 +168,8 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
                              "own 4- and 8-bit weights on CPU; float: weights dequantized to float")
     parser.add_argument("--quantize", default="none", type=str.lower, choices=("none", "int4", "int8"),
                         help="none (default); int4 or int8: a float model (not a GGUF one) has its linear layers "
-                             "quantized per group of 32 for the grouped CPU kernel. This changes the model")
+                             "quantized per group of 32 for the grouped CPU kernel; on CUDA, int4 uses torch's int4 "
+                             "kernel (a GGUF's Q4_K layers as shipped). This changes the model")
     parser.add_argument("--compile", default="auto", type=str.lower, choices=("auto", "true", "false"),
                         help="the compiled static-cache path (torch.compile of each model's forwards of 1-17 tokens, "
                              "compiled at start-up): auto (default) is on for CUDA, off on CPU")

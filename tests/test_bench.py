@@ -472,6 +472,9 @@ def test_gpu_script_smoke_on_cpu(tmp_path):
                for name in ("hf_generate", "hf_assisted", "hf_assisted_fixed_threshold"))
     assert all(rate > 0 for path in ("eager", "compiled") for rate in stages["random-7b"][path].values())
     assert report["projection"]["google_tokens_per_second"] > 0
+    int4 = stages["int4"]["target-7b"]  # the tiny shape's layers, on the int4 kernel's CPU twin
+    assert int4["layers"] > 0 and int4["rows_keep_their_bits"] and int4["greedy_google_equals_target"]
+    assert all(ms > 0 for ms in int4["int4_ms_by_width"].values())
 
 
 def test_gpu_script_builds_a_random_pair_from_shapes(tmp_path, tiny_pair_dirs):

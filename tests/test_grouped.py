@@ -521,7 +521,7 @@ def test_load_pair_quantizes_a_float_pair_and_speculation_stays_the_quantized_ta
         assert result.token_ids == reference.token_ids
 
 
-def test_quantize_choice_is_checked_and_applies_to_cpu_models_only(caplog):
+def test_quantize_choice_is_checked_and_int8_applies_to_cpu_models_only(caplog):
     import logging
 
     from specdec.models.shipped import quantize_applies, resolve_quantize
@@ -533,7 +533,7 @@ def test_quantize_choice_is_checked_and_applies_to_cpu_models_only(caplog):
     assert not quantize_applies("none", torch.device("cpu"), None)
     assert quantize_applies("int4", torch.device("cpu"), None)
     with caplog.at_level(logging.WARNING, logger="specdec.models.shipped"):
-        assert not quantize_applies("int4", torch.device("cuda"), None)
+        assert not quantize_applies("int8", torch.device("cuda"), None)  # int4 on CUDA: tests/test_int4pack.py
     assert "CPU models" in caplog.text
 
 

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "specdec"
 # Each module's layer; a module may import only modules of its own layer or below.
 LAYERS = {
     0: ("errors", "params", "stats", "sampling", "verification", "adaptive"),  # the math and the contracts
-    1: ("kv_cache", "compiled", "prompt_cache", "cpu", "threads", "fused_forward"),  # models' caches (dynamic, static
+    1: ("kv_cache", "compiled", "prompt_cache", "cpu", "cuda", "threads", "fused_forward"),  # models' caches (dynamic, static
     # and compiled, and those kept across requests), the CPU kernels, OS threads, the fused forward
     2: ("engine", "drafters", "grammar", "models", "text"),  # the engine and what feeds it
     3: ("cli", "serve", "default_pair", "__main__", "__init__"),  # the interfaces (default_pair: the prepare command)

@@ -16,6 +16,7 @@ from .load import load_draft, load_model, read_soon
 from .memory import release_free_memory
 from .quantization import resolve_draft_quantization
 from .shipped import (
+    four_bit_layers,
     gguf_origin,
     int4_draft_applies,
     kept_form_current,
@@ -29,6 +30,20 @@ from .shipped import (
 from .sources import names_default_pair, resolve_device, resolve_dtype, resolve_source
 from .startup import startup_step
 from .tokenizers import load_and_check_tokenizers
+
+
+def int4pack_layers(model, source) -> str:
+    """`model`'s linear layers on torch's int4 kernel (specdec.cuda.int4pack), in place: a model from a GGUF takes
+    its Q4_K layers as shipped and keeps its other layers as converted; a float model has every layer quantized.
+    Says how many of each."""
+    import torch
+
+    from ..cuda.int4pack import int4pack_model
+
+    shipped = four_bit_layers(model, source) if gguf_origin(source) is not None else None
+    count = int4pack_model(model, shipped, quantize_rest=shipped is None)
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return f"{count} layers ({'as shipped' if shipped is not None else 'quantized'})"
 
 
 def load_pair(draft: str | None = None, target: str | None = None, device: str = "auto", dtype: str = "auto",
@@ -71,6 +86,8 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     quantized per group of 32 for the grouped kernel (`cpu.grouped.quantize`): 4 bits with a scale and a minimum
     per group, or 8 bits symmetric. This changes the model: speculative decoding then samples exactly the quantized
     target's distribution, not the float one's. A quantized draft is not quantized again (draft_quantization).
+    On one GPU, "int4" puts the linear layers on torch's int4 kernel (specdec.cuda.int4pack): a GGUF model's Q4_K
+    layers as shipped (its other layers stay bfloat16), a float model's quantized; "int8" does not apply there.
 
     `draft_vocab_size`: the draft's output layer over its first N token ids and the special tokens only, every
     other logit -inf (models/draft_vocab.py): cheaper proposals, the output still exactly the target's. "auto"
@@ -140,7 +157,14 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
             release_free_memory()
             note["detail"] = f"draft: {counts[0]} layers{' (4-bit)' if draft_requantize else ''}; target: " \
                              f"{counts[1]} layers"
-    if bits["target"] or bits["draft"]:
+    if (bits["target"] or bits["draft"]) and device.type == "cuda":
+        with startup_step("int4 layers for torch's CUDA kernel (a GGUF's Q4_K layers as shipped, a float model's "
+                          "quantized: this changes the model)") as note:
+            counts = [int4pack_layers(model, source) if bits[role] else "0 layers"
+                      for role, model, source in (("draft", draft_model, draft_source),
+                                                  ("target", target_model, target_source))]
+            note["detail"] = f"draft: {counts[0]}; target: {counts[1]}"
+    elif bits["target"] or bits["draft"]:
         from ..cpu.grouped import quantize_model
 
         what = f"the float models to {quantize}" if bits["target"] else "the draft to int4"

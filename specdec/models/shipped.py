@@ -52,13 +52,19 @@ def resolve_quantize(value) -> str:
 
 
 def quantize_applies(quantize: str, device: torch.device, device_map) -> bool:
-    """Whether `quantize` takes effect: int4 or int8, CPU models on one device, and the grouped kernel built with
-    AVX-512 VNNI or AVX2; otherwise the models stay as they are, with a warning where one was asked for."""
+    """Whether `quantize` takes effect: models on one device, and either int4 or int8 on CPU with the grouped
+    kernel built with AVX-512 VNNI or AVX2, or int4 on CUDA (torch's int4pack kernel, specdec.cuda.int4pack);
+    otherwise the models stay as they are, with a warning where one was asked for."""
     if quantize == "none":
         return False
-    if device.type != "cpu" or device_map is not None:
-        logger.warning("quantize = %s applies to CPU models on one device; loading the models as they are", quantize)
+    if device_map is not None or device.type not in ("cpu", "cuda"):
+        logger.warning("quantize = %s applies to models on one CPU or GPU; loading the models as they are", quantize)
         return False
+    if device.type == "cuda":
+        if quantize != "int4":
+            logger.warning("quantize = %s applies to CPU models; on CUDA only int4 (loading the models as they "
+                           "are)", quantize)
+        return quantize == "int4"
     return _vector_kernel(f"quantize = {quantize}", "loading the models as they are")
 
 
@@ -152,6 +158,33 @@ def pack_from_gguf(path: Path, names: dict[str, str], embeddings: frozenset[str]
             packed[module_name] = ({**grouped.tensors(), "group": torch.tensor(grouped.group)}
                                    if module_name in embeddings else tiled(grouped).tensors())
     return packed
+
+
+def four_bit_layers(model: nn.Module, source: ModelSource) -> dict:
+    """The `model`'s linear layers that its GGUF ships as Q4_K, in grouped form (module name: `Grouped`) for the CUDA
+    int4 kernel; {} for a model with no GGUF origin. Read from the file at each start (not kept in the cache)."""
+    import gguf
+
+    from ..cpu.grouped import FOUR_BIT, pack
+
+    origin = gguf_origin(source)
+    names = {module: tensor for module, tensor in gguf_names(model).items() if module not in _embeddings(model)}
+    if origin is None or not names:
+        return {}
+
+    def read(path: Path) -> dict:
+        tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+        return {module: pack(tensors[name].data, tensors[name].tensor_type.name) for module, name in names.items()
+                if name in tensors and tensors[name].tensor_type.name in FOUR_BIT}
+
+    if isinstance(origin, Path):
+        return read(origin)
+    from .default_pair import join_parts
+
+    with tempfile.TemporaryDirectory(dir=cache_root()) as scratch:
+        joined = Path(scratch) / origin.filename
+        join_parts(origin, joined)
+        return read(joined)
 
 
 def _embeddings(model: nn.Module) -> frozenset[str]:

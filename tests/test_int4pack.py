@@ -225,3 +225,28 @@ def test_load_pair_with_quantize_int4_on_cuda_serves_int4_layers_and_stays_exact
         assert decoder.generate(prompt, max_new_tokens=24, method=method, temperature=0,
                                 eos_token_id=[]).token_ids == reference.token_ids
     assert np.isfinite(reference.stats.tokens_per_second)
+
+
+@pytest.mark.xdist_group("compiled")  # beside tests/test_compiled.py's compiles
+def test_the_compiled_path_takes_int4_layers_and_keeps_greedy_output():
+    """compile = auto is on for CUDA, so int4 layers run compiled there: on the kernel's CPU twin, both models
+    compile whole (the operator has a shape function) and greedy output with compile equals it without, for
+    target-only and both variants."""
+    import torch._dynamo
+
+    from specdec.compiled import compile_model
+
+    target = int4_model(make_model("llama", seed=0, vocab_size=128, hidden=64, initializer_range=0.3))
+    draft = int4_model(perturbed_copy(make_model("llama", seed=0, vocab_size=128, hidden=64,
+                                                 initializer_range=0.3), noise=0.05))
+    prompt = [5, 17, 42, 8, 99, 3, 5, 17, 42, 8]
+    eager = SpeculativeDecoder(draft, target).generate(prompt, max_new_tokens=40, method="target", temperature=0,
+                                                       eos_token_id=[]).token_ids
+    try:
+        assert compile_model(target, torch.device("cpu")) and compile_model(draft, torch.device("cpu"))
+        decoder = SpeculativeDecoder(draft, target)
+        for method in ("target", "google", "deepmind"):
+            result = decoder.generate(prompt, max_new_tokens=40, method=method, temperature=0, eos_token_id=[])
+            assert result.token_ids == eager, method
+    finally:
+        torch._dynamo.reset()

@@ -120,11 +120,14 @@ class ModelDrafter:
     name = "model"
 
     def __init__(self, model: CachedModel, probs: Callable[[torch.Tensor], torch.Tensor],
-                 forward: Callable[[CachedModel, list[int]], torch.Tensor], confidence_threshold: float = 0.0):
+                 forward: Callable[[CachedModel, list[int]], torch.Tensor], confidence_threshold: float = 0.0,
+                 greedy: bool = False):
         self.model = model
         self.probs = probs  # logits -> the warped distribution, as for the target
         self.forward = forward  # the request's timed forward: (model, new tokens) -> logits of the last one
         self.confidence_threshold = confidence_threshold
+        # temperature 0 and a verification that reads tokens only (engine._verify_greedy): the argmax, no q
+        self.greedy = greedy
 
     def draw(self, seq: list[int], generator: torch.Generator,
              allowed: torch.Tensor | None = None) -> tuple[int, torch.Tensor, bool] | None:
@@ -136,10 +139,14 @@ class ModelDrafter:
         masked = logits if allowed is None else mask_logits(logits, allowed)
         if allowed is not None and not bool(torch.isfinite(masked).any()):
             return None
-        q = self.probs(masked)
-        token = sample(q, generator)
+        if self.greedy:  # q would be the one-hot of this token, and a draw from it this token
+            q, token = None, self.probs.argmax(masked.unsqueeze(0))[0]
+        else:
+            q = self.probs(masked)
+            token = sample(q, generator)
+        vocab = self.probs.vocab_size if q is None else q.size(-1)
         go_on = (self.confidence_threshold <= 0
-                 or token_probability(logits[: q.size(-1)], token) >= self.confidence_threshold)
+                 or token_probability(logits[:vocab], token) >= self.confidence_threshold)
         return token, q, go_on
 
     def propose(self, ids: list[int], gamma: int, limit: int, generator_at) -> Proposal:
@@ -352,7 +359,8 @@ class GuidedDrafter:
             guide.advance(token)
             if not go_on:
                 break
-        one_hot = [i for i, q in enumerate(proposal.probs) if q is None]
+        # the grammar's and the lookup's rows (a greedy draft model's have no q either: nothing reads them)
+        one_hot = [i for i, (q, d) in enumerate(zip(proposal.probs, proposal.drafters)) if q is None and d != "model"]
         if one_hot:
             rows = self.one_hots([proposal.tokens[i] for i in one_hot])
             for i, row in zip(one_hot, rows.unbind(0)):

@@ -472,7 +472,9 @@ class SpeculativeDecoder:
         while req.finish_reason is None:
             logits = req.forward(role, model, req.ids[model.length:]) if req.prefilled(role) \
                 else req.prefill(role, model)
-            token = sample(probs(logits[-1], None if req.guide is None else req.guide.allowed()), req.generator)
+            allowed = None if req.guide is None else req.guide.allowed()
+            token = probs.argmax(logits[-1:], allowed)[0] if probs.greedy else \
+                sample(probs(logits[-1], allowed), req.generator)
             req.rounds += 1
             if (yield req.commit([token], ["target"], logits[-1:])) == "stop":
                 req.finish_reason = "stop"
@@ -489,7 +491,7 @@ class SpeculativeDecoder:
             drafter = lookup
         else:
             model = ModelDrafter(req.cache_for("draft", self.draft_model), probs, forward,
-                                 req.params.draft_confidence_threshold)
+                                 req.params.draft_confidence_threshold, greedy=self._greedy(probs))
             drafter = model if kind == "model" else HybridDrafter(model, lookup, self.lookup)
         if req.guide is None:
             return drafter
@@ -522,12 +524,17 @@ class SpeculativeDecoder:
             # 2. the target scores all k + 1 positions in one forward: p_1 .. p_{k+1} (each masked by the grammar
             # at the sequence it follows)
             logits = self._score(req, target, proposal.tokens)
-            p = probs(logits, self._masks(req, proposal, k + 1))
 
             # 3. keep a prefix of the proposals, then draw the next token (resampled, or the bonus after all k)
-            accepted, next_probs = self._verify(req, proposal, p, lambda i: generator)
-            chunk = req.commit(proposal.tokens[:accepted] + [sample(next_probs, generator)],
-                               self._sources(proposal, accepted, k), logits)
+            if self._greedy(probs):
+                accepted, next_token = self._verify_greedy(proposal, probs.argmax(logits, self._masks(req, proposal,
+                                                                                                       k + 1)))
+            else:
+                p = probs(logits, self._masks(req, proposal, k + 1))
+                accepted, next_probs = self._verify(req, proposal, p, lambda i: generator)
+                next_token = sample(next_probs, generator)
+            chunk = req.commit(proposal.tokens[:accepted] + [next_token], self._sources(proposal, accepted, k),
+                               logits)
             if adaptive is not None and k and set(proposal.drafters) == {"model"}:
                 adaptive.update(k, accepted)  # alpha is the draft model's, as in `_speculate_adaptive`
             if (yield self._end_round(req, drafter, target, chunk, proposal, accepted, k + 1, before)) == "stop":
@@ -665,6 +672,22 @@ class SpeculativeDecoder:
                      len(proposal), accepted, len(chunk.token_ids))
         return chunk
 
+    def _greedy(self, probs: "_Warper") -> bool:
+        """Whether a request's rounds take greedy decoding's short path (`_verify_greedy`, the draft model's argmax
+        in `ModelDrafter.draw`): at temperature 0, unless a round observer wants each round's distributions."""
+        return probs.greedy and self.round_observer is None
+
+    @staticmethod
+    def _verify_greedy(proposal: Proposal, choices: list[int]) -> tuple[int, int]:
+        """(tau, next token) at temperature 0, from the target's argmax at each of the k + 1 positions: p and q are
+        one-hots, so either rule keeps exactly the proposals that are the target's argmax, up to the first that is
+        not, and the residual there (p - q, clipped) is p's one-hot, as the bonus is after all k: the same tokens
+        and counts as `_verify` (tested), without building the distributions or drawing uniforms, which no
+        greedy output depends on."""
+        tokens = proposal.tokens
+        accepted = next((i for i, (x, y) in enumerate(zip(tokens, choices)) if x != y), len(tokens))
+        return accepted, choices[accepted]
+
     def _verify(self, req: _Request, proposal: Proposal, p: torch.Tensor, generator_at) -> tuple[int, torch.Tensor]:
         """(tau, next_probs) under the request's verification rule (verification.py), p with k + 1 rows.
 
@@ -705,7 +728,18 @@ class _Warper:
     def __call__(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """(..., V') logits -> (..., V) probabilities; `allowed`, a grammar's (..., V) mask, removes the tokens it
         forbids first."""
+        return logits_to_probs(self._masked(logits, allowed), self.temperature, self.top_k, self.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: every distribution is the one-hot of its argmax, and a draw from it is that argmax."""
+        return self.temperature == 0
+
+    def argmax(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> list[int]:
+        """(n, V') logits -> each row's token under greedy decoding: the argmax of what `__call__` would make a
+        one-hot of, which is also what `sample` draws from that one-hot."""
+        return self._masked(logits, allowed).argmax(dim=-1).tolist()
+
+    def _masked(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
         logits = logits[..., : self.vocab_size]
-        if allowed is not None:
-            logits = mask_logits(logits, allowed)
-        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+        return logits if allowed is None else mask_logits(logits, allowed)

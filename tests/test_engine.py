@@ -61,6 +61,51 @@ def test_greedy_equals_target_greedy_for_every_drafter_and_rule(arch):
     assert accepted["lookup"] > 0 and accepted["model"] > 0  # both drafters had proposals accepted
 
 
+def general_path(decoder):
+    """A round observer: the engine then verifies greedy rounds as sampled ones are (q and p built, uniforms
+    drawn, the rule applied) instead of by its greedy short path."""
+    decoder.round_observer = lambda x, q, p: None
+    return decoder
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_greedy_short_path_gives_the_general_paths_tokens_and_counts(arch):
+    """At temperature 0 the engine compares the proposals with the target's argmax (engine._verify_greedy) and the
+    draft model proposes its argmax with no q: the same tokens, acceptances, rounds and per-drafter counts as the
+    rules applied to one-hot distributions, for every drafter, both rules and both variants."""
+    target = make_model(arch, seed=0, initializer_range=0.1)
+    draft = perturbed_copy(target, noise=0.3)
+    prompt = PROMPT + [5, 6, 7] + PROMPT  # a repeat: the lookup proposes too
+    fields = ("accepted", "proposed", "rounds", "drafts", "accepted_by_drafter", "proposed_by_drafter",
+              "rounds_by_drafter", "accepted_per_position")
+    exercised = 0
+    for drafter in DRAFTERS:
+        for rule in VERIFICATIONS:
+            for method, gamma, stop in (("google", 4, 0.0), ("deepmind", 3, 0.0), ("google", 5, 0.3)):
+                params = dict(max_new_tokens=40, method=method, gamma=gamma, temperature=0, drafter=drafter,
+                              verification=rule, draft_confidence_threshold=stop)
+                short = SpeculativeDecoder(draft, target).generate(prompt, **params)
+                general = general_path(SpeculativeDecoder(draft, target)).generate(prompt, **params)
+                assert short.token_ids == general.token_ids, (drafter, rule, method)
+                assert {f: short.stats[f] for f in fields} == {f: general.stats[f] for f in fields}, \
+                    (drafter, rule, method)
+                exercised += 0 < short.stats["accepted"] < short.stats["proposed"]
+    assert exercised > 6  # most settings saw both acceptances and rejections
+
+
+def test_greedy_target_only_takes_the_argmax_without_drawing(decoder, monkeypatch):
+    """Target-only greedy decoding (and the draft-only baseline) takes each token as the argmax: no distribution
+    is sampled, and the tokens are those sampling the one-hots gave (HF generate's, test above)."""
+    calls = []
+    monkeypatch.setattr("specdec.engine.sample", lambda probs, generator: calls.append(1) or int(probs.argmax()))
+    for method in ("target", "draft"):
+        greedy = decoder.generate(PROMPT, max_new_tokens=12, method=method, temperature=0)
+        assert not calls and len(greedy.token_ids) == 12
+        sampled = decoder.generate(PROMPT, max_new_tokens=12, method=method, temperature=1e-5, seed=0)
+        assert calls and sampled.token_ids == greedy.token_ids  # a temperature near 0 samples the argmax too
+        calls.clear()
+
+
 LONG_PROMPT = [(7 * i + 3) % 59 + 5 for i in range(40)]  # past FIRST_TOKEN_ALONE_FROM
 
 

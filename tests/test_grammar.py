@@ -97,6 +97,28 @@ def test_greedy_constrained_speculative_equals_constrained_target_only(tiny, met
     assert result.stats.grammar_seconds > 0
 
 
+@pytest.mark.parametrize("drafter", ["model", "lookup", "hybrid"])
+@pytest.mark.parametrize("verification", ["token", "block"])
+def test_greedy_short_path_under_a_grammar_gives_the_general_paths_tokens_and_counts(tiny, drafter, verification):
+    """The engine's greedy short path (argmax of the masked logits, engine._verify_greedy) against the rules
+    applied to the masked one-hot distributions (a round observer turns it off): same tokens, forced tokens and
+    acceptances."""
+    decoder, tokenizer, compiler = tiny
+    prompt = tokenizer.encode('name: "Ann", age 7, a cat. {"name": "Ann", "age": 7', add_special_tokens=False)
+    params = SamplingParams(max_new_tokens=80, method="google", temperature=0, gamma=4, drafter=drafter,
+                            verification=verification)
+    short = decoder.generate(prompt, params=params, grammar=compiler.compile(Constraint.json_schema(SCHEMA)))
+    decoder.round_observer = lambda x, q, p: None
+    try:
+        general = decoder.generate(prompt, params=params, grammar=compiler.compile(Constraint.json_schema(SCHEMA)))
+    finally:
+        decoder.round_observer = None
+    assert short.token_ids == general.token_ids
+    fields = ("accepted", "proposed", "rounds", "forced_tokens", "accepted_by_drafter", "proposed_by_drafter")
+    assert {f: short.stats[f] for f in fields} == {f: general.stats[f] for f in fields}
+    assert short.stats.forced_tokens > 0
+
+
 def test_adaptive_greedy_and_sampled_outputs_follow_the_schema(tiny):
     decoder, tokenizer, compiler = tiny
     grammar = compiler.compile(Constraint.json_schema(SCHEMA))

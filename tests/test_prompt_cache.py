@@ -285,15 +285,15 @@ def test_an_error_between_forwards_keeps_only_the_committed_tokens(models, monke
 
     dec = decoder(models)
     calls = {"n": 0}
-    original = engine.SpeculativeDecoder._verify
+    original = engine.SpeculativeDecoder._verify_greedy  # greedy rounds' verification
 
-    def failing(self, *args):
+    def failing(*args):
         calls["n"] += 1
         if calls["n"] == 3:
             raise ValueError("a bug in verification (simulated)")
-        return original(self, *args)
+        return original(*args)
 
-    monkeypatch.setattr(engine.SpeculativeDecoder, "_verify", failing)
+    monkeypatch.setattr(engine.SpeculativeDecoder, "_verify_greedy", staticmethod(failing))
     with pytest.raises(ValueError, match="simulated"):
         greedy(dec, tokens(30, 52), method="google", n=30, gamma=4)
     (entry,) = dec.prompt_cache.entries()

@@ -93,6 +93,18 @@ def test_tool_calls_are_read_back_and_text_kept():
     assert parse_tool_calls("<tool_call>\n{broken\n</tool_call>") == ("<tool_call>\n{broken\n</tool_call>", [])
 
 
+@pytest.mark.parametrize("cut", ["<tool_call>", '<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", '
+                                 '"arguments": {"x": 2}}\n</tool'])
+def test_a_last_call_cut_off_by_max_tokens_is_not_given_as_text(cut):
+    """Found trying the quick start: tool_choice "required" with parallel calls, the default pair repeated its call
+    until max_tokens cut the fourth one after its opening tag, and the answer's content was "<tool_call>"."""
+    whole = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+    content, calls = parse_tool_calls("Here.\n" + whole + cut)
+    assert content == "Here." and [json.loads(c.function.arguments) for c in calls] == [{"x": 1}]
+    assert parse_tool_calls(whole + cut)[0] is None
+    assert parse_tool_calls(cut) == (cut, [])  # nothing parses: the text as the model wrote it
+
+
 def test_tool_calls_read_as_the_text_grows_stream_their_arguments_as_parsed():
     """Character by character: each call's id and name once the name is complete, then its arguments' own text in
     pieces, which join to the arguments `parse_tool_calls` reads from the whole text (braces and quotes inside

@@ -207,7 +207,8 @@ def tool_constraint(tools: list[Tool], tool_choice, parallel: bool, special: boo
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """(the text outside the calls, or None if there is none; the calls) of a completion. A call's arguments are
     the model's own JSON text where they are an object after the name (as `ToolCallReader` streams them), else
-    re-serialized."""
+    re-serialized. Beside whole calls, a last call left unfinished (max_tokens) is dropped, not given as text;
+    where no call parses, the text is kept whole."""
     calls = []
     for match in CALL.finditer(text):
         try:
@@ -221,7 +222,12 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         end = value_end(match.group(1), head.end()) if head and isinstance(arguments, dict) else None
         raw = match.group(1)[head.end():end] if end is not None else json.dumps(arguments, ensure_ascii=False)
         calls.append(ToolCall(id=call_id(), function=FunctionCall(name=call["name"], arguments=raw)))
-    content = CALL.sub("", text).strip() if calls else text
+    content = CALL.sub("", text) if calls else text
+    if calls:  # a call cut off by max_tokens after whole ones: its opening markup is not the model's answer text
+        tail = content.rfind(CALL_BEGIN)
+        if tail >= 0 and CALL_END not in content[tail:]:
+            content = content[:tail]
+        content = content.strip()
     return content or None, calls
 
 

@@ -351,7 +351,12 @@ def test_grouped_greedy_speculative_equals_grouped_target_only(drafter, rule, me
     target = grouped_model(make_model("llama", seed=0, vocab_size=100, hidden=64, initializer_range=0.3))
     draft = grouped_model(perturbed_copy(make_model("llama", seed=0, vocab_size=100, hidden=64,
                                                     initializer_range=0.3), noise=0.05))
-    decoder = SpeculativeDecoder(draft, target)
+    assert_greedy_speculative_is_target_only(SpeculativeDecoder(draft, target), drafter, rule, method)
+
+
+def assert_greedy_speculative_is_target_only(decoder, drafter: str, rule: str, method: str) -> None:
+    """Greedy speculative output (method "adaptive": Google with adaptive gamma) equals greedy target-only output,
+    with some proposals accepted, on a prompt lookup can draw from."""
     base = [5, 17, 42, 8, 99, 3, 5, 17, 42, 8]
     # the prompt holds the start of its own continuation after a copy of itself, so that prompt lookup has
     # something to propose that the target takes

@@ -131,19 +131,9 @@ def test_int4_greedy_speculative_equals_int4_target_only(device, drafter, rule, 
         base = base if noise is None else perturbed_copy(base, noise=noise)
         return int4_model(base.to(device, torch.float32 if device == "cpu" else torch.bfloat16))
 
-    target, draft = model(), model(0.05)
-    decoder = SpeculativeDecoder(draft, target)
-    base = [5, 17, 42, 8, 99, 3, 5, 17, 42, 8]
-    # the prompt holds the start of its own continuation after a copy of itself: prompt lookup takes from it
-    prompt = base + decoder.generate(base, max_new_tokens=16, method="target", temperature=0,
-                                     eos_token_id=[]).token_ids + base
-    reference = decoder.generate(prompt, max_new_tokens=40, method="target", temperature=0,
-                                 eos_token_id=[]).token_ids
-    result = decoder.generate(prompt, max_new_tokens=40, method="google" if method == "adaptive" else method,
-                              gamma=None if method == "adaptive" else 4, temperature=0, drafter=drafter,
-                              verification=rule, eos_token_id=[])
-    assert result.token_ids == reference
-    assert result.stats.accepted > 0
+    from tests.test_grouped import assert_greedy_speculative_is_target_only  # (not at import: see above)
+
+    assert_greedy_speculative_is_target_only(SpeculativeDecoder(model(0.05), model()), drafter, rule, method)
 
 
 def test_quantize_int4_applies_on_cuda_and_int8_does_not(caplog):

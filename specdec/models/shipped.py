@@ -10,6 +10,7 @@ type has no grouped form (float ones: norms, biases) stay as loaded; so does the
 one row per token, not the matrix).
 """
 
+import contextlib
 import hashlib
 import inspect
 import logging
@@ -172,19 +173,25 @@ def four_bit_layers(model: nn.Module, source: ModelSource) -> dict:
     if origin is None or not names:
         return {}
 
-    def read(path: Path) -> dict:
+    with gguf_file(origin) as path:
         tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
         return {module: pack(tensors[name].data, tensors[name].tensor_type.name) for module, name in names.items()
                 if name in tensors and tensors[name].tensor_type.name in FOUR_BIT}
 
+
+@contextlib.contextmanager
+def gguf_file(origin):
+    """A path to the GGUF file of `gguf_origin`'s answer: the file given by path, or the default pair's parts
+    joined in a scratch folder of the cache for as long as the context lasts."""
     if isinstance(origin, Path):
-        return read(origin)
+        yield origin
+        return
     from .default_pair import join_parts
 
     with tempfile.TemporaryDirectory(dir=cache_root()) as scratch:
         joined = Path(scratch) / origin.filename
         join_parts(origin, joined)
-        return read(joined)
+        yield joined
 
 
 def _embeddings(model: nn.Module) -> frozenset[str]:
@@ -242,11 +249,7 @@ def packed_layers(model: nn.Module, source: ModelSource, requantize: int | None 
         tensors = form.load(expected)
         if tensors is not None:
             return _unflatten(tensors)
-    from .default_pair import join_parts
-
-    with tempfile.TemporaryDirectory(dir=cache_root()) as scratch:
-        joined = Path(scratch) / origin.filename
-        join_parts(origin, joined)
+    with gguf_file(origin) as joined:
         packed = pack_from_gguf(joined, names, _embeddings(model), requantize)
     form.save(_flatten(packed))
     return packed

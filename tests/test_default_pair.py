@@ -70,6 +70,25 @@ def test_vocabularies_identical(real_pair):
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.chat_template
 
 
+def test_the_direct_decoder_gives_the_tokenizers_text(real_pair):
+    """The service decodes through the Rust tokenizer directly (text.decoder_of): on Qwen's tokenizer, the same
+    text as `decode` for random ids, special and added tokens and split characters among them."""
+    from specdec.text import _generic_backend, decoder_of
+
+    tokenizer = real_pair[3]
+    assert _generic_backend(tokenizer) is not None
+    decode = decoder_of(tokenizer)
+    generator = torch.Generator().manual_seed(0)
+    specials = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>", "<tool_call>", "</tool_call>"])
+    pieces = tokenizer.encode("naïve 日本 🙂 def f(x):\n\treturn x", add_special_tokens=False)
+    for _ in range(300):
+        ids = torch.randint(0, len(tokenizer), (int(torch.randint(1, 24, (1,), generator=generator)),),
+                            generator=generator).tolist()
+        ids[::5] = [specials[i % len(specials)] for i in range(len(ids[::5]))]
+        ids += pieces[: int(torch.randint(0, len(pieces), (1,), generator=generator))]
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
 def encode(tokenizer, text: str, chat: bool) -> list[int]:
     if chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,

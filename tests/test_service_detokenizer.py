@@ -145,3 +145,33 @@ def test_token_bytes_of_a_byte_level_token_are_its_own(byte_tokenizer):
     assert [token_bytes(byte_tokenizer, i) for i in ids] == [b"\xc3", b"\xa9", b"!"]
     tokenizer = make_tokenizer()
     assert token_bytes(tokenizer, tokenizer.convert_tokens_to_ids("x")) == b"x"
+
+
+def slow_decode(tokenizer, ids):
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ids=st.lists(st.integers(0, 99), max_size=20))
+def test_the_direct_decoder_gives_the_tokenizers_text(byte_tokenizer, ids):
+    """text.decoder_of calls the Rust tokenizer directly: the same text as `decode` (specials skipped, no
+    clean-up), also where a byte-level token ends inside a character."""
+    from specdec import text
+
+    for tokenizer in (byte_tokenizer, make_tokenizer()):
+        assert text._generic_backend(tokenizer) is not None
+        assert text.decoder_of(tokenizer)(ids) == slow_decode(tokenizer, ids)
+
+
+def test_a_tokenizer_that_decodes_its_own_way_is_asked_through_its_decode():
+    from specdec import text
+
+    class Shouting(PreTrainedTokenizerFast):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    base = make_tokenizer()
+    shouting = Shouting(tokenizer_object=base.backend_tokenizer, unk_token="<unk>", eos_token="<eos>")
+    ids = base.encode("abc", add_special_tokens=False)
+    assert text._generic_backend(shouting) is None
+    assert text.decoder_of(shouting)(ids) == "ABC" == slow_decode(shouting, ids)

@@ -8,7 +8,6 @@ flight and queued finish.
 
 import logging
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +17,7 @@ from ..errors import SpecDecError
 from ..grammar import CompiledGrammar, Constraint
 from ..params import SamplingParams
 from ..text import decoder_of, encode_messages, encode_prompt, token_bytes
+from ..threads import os_lock
 from .concurrency import EngineThread
 from .config import Settings
 from .errors import ApiError
@@ -61,7 +61,10 @@ class Service:
         self.engine = EngineThread()
         self.models = ModelHost(settings, self.engine, on_ready=self._ready)
         self.draining_since: float | None = None  # perf_counter() of drain(), the clock of RequestRecord.started
-        self._tokenizer_lock = threading.Lock()  # fast tokenizers are not safe for concurrent use
+        # fast tokenizers are not safe for concurrent use; a native lock, which the engine thread takes twice a
+        # token (a greenlet holds it only while the tokenizer runs, never across a switch)
+        self._tokenizer_lock = os_lock()
+        self._decoder = None  # (the tokenizer, its decode function), made on first use
 
     # --- the resident pair (see loader.py) -----------------------------------------------------------------
 
@@ -119,8 +122,12 @@ class Service:
     # --- a request -----------------------------------------------------------------------------------------
 
     def decode(self, token_ids: list[int]) -> str:
+        """Token ids to text as completions show it (text.decoder_of); twice a generated token, on the engine
+        thread."""
         with self._tokenizer_lock:
-            return decoder_of(self.tokenizer)(token_ids)
+            if self._decoder is None or self._decoder[0] is not self.tokenizer:
+                self._decoder = (self.tokenizer, decoder_of(self.tokenizer))
+            return self._decoder[1](token_ids)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as logprobs show it (special tokens included)."""

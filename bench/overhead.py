@@ -146,7 +146,7 @@ def measure(args, draft_dir: str, target_dir: str, folder: Path) -> dict:
         try:
             runs: dict[str, list[dict]] = {}
             for repeat in range(args.repeats + 1):  # the first is a warm-up
-                for method in METHODS:
+                for method in args.methods:
                     row = {"in-process": in_process(decoder, ids, method, args.tokens)}
                     if server is not None:
                         for stream in (False, True):
@@ -218,12 +218,16 @@ def main(argv=None) -> int:
     parser.add_argument("--no-service", action="store_true", help="in-process rows only")
     parser.add_argument("--paths", type=lambda v: v.split(","), default=["eager", "compiled"],
                         help="eager, compiled or both (comma-separated)")
+    parser.add_argument("--methods", type=lambda v: v.split(","), default=list(METHODS),
+                        help=f"a subset of {', '.join(METHODS)} (comma-separated)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads, in-process and in the service (default: 1 for tiny, 2 for default)")
     parser.add_argument("--stream-interval", type=float, default=None,
                         help="the service's stream_interval (default: config/default.toml's)")
     parser.add_argument("--out", default="bench/results/overhead")
     args = parser.parse_args(argv)
+    if unknown := set(args.methods) - set(METHODS):
+        parser.error(f"--methods: unknown {', '.join(sorted(unknown))} (choose from {', '.join(METHODS)})")
     args.draft_quantization = args.draft_quantization or ("none" if args.pair == "tiny" else "auto")
     args.threads = args.threads or (1 if args.pair == "tiny" else 2)
     torch.set_num_threads(args.threads)

@@ -147,6 +147,10 @@ class Completion:
         self.finished = False
         self._sent = 0
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stop)
+
     def feed(self, token_ids: list[int], sources: list[str], logprobs: list | None = None) -> list[dict]:
         """Add one committed chunk (with its tokens' log-probabilities, if any); returns the tokens kept from it
         (those after a stop string are dropped)."""

@@ -434,6 +434,22 @@ def test_details_list_every_token(client):
     assert {t["source"] for t in target_only["tokens"]} == {"target"}
 
 
+@pytest.mark.parametrize("kwargs", [{"temperature": 0.9, "seed": 11}, {"temperature": 0, "method": "target"}])
+def test_a_json_answer_without_stop_strings_equals_one_detokenized_round_by_round(client, kwargs):
+    """Without stop strings a JSON answer's rounds are detokenized once decoding has ended (Generation.run);
+    with a stop string that never matches, round by round; streamed, round by round as well. All three give the
+    same text, tokens and log-probabilities."""
+    body = {"max_new_tokens": 40, "details": True, "logprobs": 2, **kwargs}
+    deferred = predict(client, **body).get_json()
+    per_round = predict(client, stop=["\x00never"], **body).get_json()
+    events = sse_events(predict(client, stream=True, buffered=True, **body))
+    assert deferred["usage"]["completion_tokens"] > 10
+    for key in ("text", "tokens", "logprobs", "finish_reason", "usage"):
+        assert deferred[key] == per_round[key], key
+    assert "".join(e["text"] for e in events) == deferred["text"]
+    assert [entry for e in events for entry in e["logprobs"]] == deferred["logprobs"]
+
+
 def reference(client, **kwargs):
     """A greedy completion long enough to pick stop strings from."""
     body = predict(client, temperature=0, max_new_tokens=60, details=True, **kwargs).get_json()

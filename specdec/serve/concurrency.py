@@ -89,7 +89,10 @@ class EngineThread:
         self._jobs.put((fn, args, None))
 
     def _start(self) -> None:
-        # started on first use: after gunicorn's fork and gevent's patching, in the process that uses it
+        # started on first use: after gunicorn's fork and gevent's patching, in the process that uses it; once
+        # started, no lock (a round's calls come through here, and under gevent the lock is gevent's)
+        if self._jobs is not None:
+            return
         with self._lock:
             if self._jobs is not None:
                 return

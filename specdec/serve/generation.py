@@ -40,6 +40,7 @@ class Generation:
         self.final = False  # the round just decoded was the last: the next step ends without decoding
         self.closed = False
         self._close_lock = threading.Lock()
+        self._deferred: list | None = None  # rounds not yet detokenized (a JSON answer without stop strings: run)
 
     @property
     def done(self) -> bool:
@@ -52,20 +53,34 @@ class Generation:
         chunk, result = self.service.engine.call(_advance, self.stream)
         if chunk is None:
             self.result = result
-            self.completion.finish()
+            self._finish_text()
             return None
         self.new_tokens += len(chunk.token_ids)
         if chunk.prompt_logprobs is not None:
             self.prompt_logprobs = chunk.prompt_logprobs
-        kept = self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
+        if self._deferred is not None:
+            self._deferred.append(chunk)
+            kept = []
+        else:
+            kept = self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
         if self.completion.stopped:  # a stop string: no more rounds, but keep the engine's stats
             self._end()
         elif time.perf_counter() > self.deadline and not self._finished_by(chunk):  # the time budget is spent
             self.timed_out = True
             self._end()
-            self.completion.finish()
+            self._finish_text()
         self.final = self.done or self._finished_by(chunk)
         return kept
+
+    def _finish_text(self) -> None:
+        """Decoding has ended: the deferred rounds' text, then whatever the detokenizer held back."""
+        self._feed_deferred()
+        self.completion.finish()
+
+    def _feed_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, None
+        for chunk in deferred or ():
+            self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
 
     def _end(self) -> None:
         """End decoding after the round just committed; the engine returns its result (and stats)."""
@@ -80,12 +95,20 @@ class Generation:
         """Decode to the end (a JSON answer) in one engine call: the rounds and their checks (stop strings, the
         time budget) run one after the other on the engine thread, where `step`'s engine calls run inline, with no
         hand-off to the request's greenlet between rounds. Detokenizing runs there too, under the tokenizer's
-        lock; nothing else reads this generation's text until it returns."""
+        lock; nothing else reads this generation's text until it returns. Without stop strings nothing needs the
+        text before the end, so the rounds' tokens are detokenized once decoding has ended: the same text, and
+        between two rounds only the checks run (Python work between a small pair's forwards slows the forwards
+        themselves: bench/README.md, "Rounds bound by overhead")."""
         self.service.engine.call(self._decode_all)
 
     def _decode_all(self) -> None:
-        while self.step() is not None:
-            pass
+        if not self.completion.has_stop_strings:
+            self._deferred = []
+        try:
+            while self.step() is not None:
+                pass
+        finally:
+            self._feed_deferred()  # an error: the tokens decoded until then, as without deferring
 
     def rounds(self, render: Callable[[list[dict]], str | Iterable[str]]) -> Iterator[str]:
         """A stream's rounds, each rendered by `render(kept)` (its event, or several), decoded and rendered on the

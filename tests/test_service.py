@@ -439,7 +439,7 @@ def test_a_json_answer_without_stop_strings_equals_one_detokenized_round_by_roun
     """Without stop strings a JSON answer's rounds are detokenized once decoding has ended (Generation.run);
     with a stop string that never matches, round by round; streamed, round by round as well. All three give the
     same text, tokens and log-probabilities."""
-    body = {"max_new_tokens": 40, "details": True, "logprobs": 2, **kwargs}
+    body = {"max_new_tokens": 40, "details": True, "logprobs": 2, "cache_prompt": False, **kwargs}
     deferred = predict(client, **body).get_json()
     per_round = predict(client, stop=["\x00never"], **body).get_json()
     events = sse_events(predict(client, stream=True, buffered=True, **body))
@@ -448,6 +448,13 @@ def test_a_json_answer_without_stop_strings_equals_one_detokenized_round_by_roun
         assert deferred[key] == per_round[key], key
     assert "".join(e["text"] for e in events) == deferred["text"]
     assert [entry for e in events for entry in e["logprobs"]] == deferred["logprobs"]
+    # a stream without stop strings is detokenized and rendered by the greenlet as it takes each round; with one,
+    # on the engine thread as each is decoded: the same events
+    per_round_events = sse_events(predict(client, stream=True, buffered=True, stop=["\x00never"], **body))
+    assert len(events) == len(per_round_events) > 3
+    for event, other in zip(events, per_round_events):
+        event["stats"] = other["stats"] = None  # the timings differ
+        assert event == other
 
 
 def reference(client, **kwargs):

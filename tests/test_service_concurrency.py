@@ -93,6 +93,32 @@ def test_ahead_joins_what_is_ready_together_and_takes_one_batch_an_interval():
     assert len(list(engine.ahead(_rounds([], 10, seconds=0.02), depth=64))) >= 8
 
 
+def test_ahead_does_not_make_a_full_outbox_wait_out_the_interval():
+    """Items faster than `depth` an interval: the engine thread, finding the outbox full, wakes the consumer,
+    who takes at once instead of at the end of its interval (else 40 items, 4 an interval of 0.5 s, would take
+    5 s: a fast stream capped at depth / interval rounds a second)."""
+    engine, made = EngineThread(), []
+    started = time.monotonic()
+    batches = list(engine.ahead(_rounds(made, 40), depth=4, interval=0.5))
+    seconds = time.monotonic() - started
+    assert "".join(batches) == "".join(f"<{i}>" for i in range(40))
+    assert seconds < 2.5, (seconds, len(batches))
+
+
+def test_ahead_converts_each_item_on_the_consumers_side():
+    engine = EngineThread()
+    engine_thread = engine.call(threading.get_ident)
+    converted_on = []
+
+    def convert(item):
+        converted_on.append(threading.get_ident())
+        return item.upper()
+
+    batches = list(engine.ahead((f"<x{i}>" for i in range(12)), depth=4, interval=0.0, convert=convert))
+    assert "".join(batches) == "".join(f"<X{i}>" for i in range(12))
+    assert set(converted_on) == {threading.get_ident()} != {engine_thread}
+
+
 def test_ahead_stays_at_most_depth_items_ahead_of_a_consumer_that_does_not_take():
     engine, made = EngineThread(), []
     batches = engine.ahead(_rounds(made, 100), depth=3)

@@ -4,8 +4,10 @@ the time budget, and render the answer as JSON or as Server-Sent Events.
 `close` stops the engine, releases its slot and records the outcome; it is idempotent and runs on every path:
 normal end, stop string, time limit, client disconnect, error. Whatever touches the engine's stream (a round,
 ending, abandoning) runs on the engine thread (concurrency.py). So does a JSON answer's decoding with its text
-assembly (`run`), and a stream's rounds with their text and events (`rounds`, decoded ahead of the greenlet
-that writes them); the request's greenlet renders the rest once they have ended.
+assembly (`run`; without stop strings the text is assembled once decoding has ended), and a stream's rounds
+(`rounds`, decoded ahead of the greenlet that writes them): with stop strings, with their text and events, so
+that decoding stops at the round that completes one; without, the greenlet assembles the text and renders each
+round as it takes it. The request's greenlet renders the rest once they have ended.
 """
 
 import json
@@ -47,17 +49,13 @@ class Generation:
         return self.result is not None or self.completion.stopped
 
     def step(self) -> list[dict] | None:
-        """Decode one round; the tokens it kept, or None when decoding has ended."""
+        """Decode one round with its text; the tokens it kept, or None when decoding has ended."""
         if self.done:
             return None
-        chunk, result = self.service.engine.call(_advance, self.stream)
+        chunk = self._next_chunk()
         if chunk is None:
-            self.result = result
             self._finish_text()
             return None
-        self.new_tokens += len(chunk.token_ids)
-        if chunk.prompt_logprobs is not None:
-            self.prompt_logprobs = chunk.prompt_logprobs
         if self._deferred is not None:
             self._deferred.append(chunk)
             kept = []
@@ -65,12 +63,29 @@ class Generation:
             kept = self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
         if self.completion.stopped:  # a stop string: no more rounds, but keep the engine's stats
             self._end()
-        elif time.perf_counter() > self.deadline and not self._finished_by(chunk):  # the time budget is spent
-            self.timed_out = True
-            self._end()
+        elif self._over_time(chunk):
             self._finish_text()
         self.final = self.done or self._finished_by(chunk)
         return kept
+
+    def _next_chunk(self):
+        """The engine's next round (its chunk), or None once decoding has ended (the result kept)."""
+        chunk, result = self.service.engine.call(_advance, self.stream)
+        if chunk is None:
+            self.result = result
+            return None
+        self.new_tokens += len(chunk.token_ids)
+        if chunk.prompt_logprobs is not None:
+            self.prompt_logprobs = chunk.prompt_logprobs
+        return chunk
+
+    def _over_time(self, chunk) -> bool:
+        """Whether the time budget is spent (decoding is then ended), unless this round ended it anyway."""
+        if time.perf_counter() > self.deadline and not self._finished_by(chunk):
+            self.timed_out = True
+            self._end()
+            return True
+        return False
 
     def _finish_text(self) -> None:
         """Decoding has ended: the deferred rounds' text, then whatever the detokenizer held back."""
@@ -111,16 +126,37 @@ class Generation:
             self._feed_deferred()  # an error: the tokens decoded until then, as without deferring
 
     def rounds(self, render: Callable[[list[dict]], str | Iterable[str]]) -> Iterator[str]:
-        """A stream's rounds, each rendered by `render(kept)` (its event, or several), decoded and rendered on the
-        engine thread ahead of the sender, at most READ_AHEAD rounds: the engine thread never waits for the
-        request's greenlet to send a round, and rounds decoded while it sent go out together. Until this ends,
-        only the engine thread touches the generation."""
-        def rendered():
-            while (kept := self.step()) is not None:
-                events = render(kept)
-                yield events if isinstance(events, str) else "".join(events)
+        """A stream's rounds, each rendered by `render(kept)` (its event, or several), decoded on the engine thread
+        ahead of the sender, at most READ_AHEAD rounds: the engine thread never waits for the request's greenlet
+        to send a round, and rounds decoded while it sent go out together.
 
-        return self.service.engine.ahead(rendered(), READ_AHEAD, self.service.settings.stream_interval)
+        With stop strings, each round's text is assembled and rendered on the engine thread as it is decoded, so
+        that decoding stops at the round that completes one; until this ends, only the engine thread touches the
+        generation. Without them, the engine thread only decodes and checks the time budget; the greenlet
+        detokenizes and renders each round as it takes it (the completion is then the greenlet's alone), so that
+        between two rounds the engine thread runs no more Python than a JSON answer's (bench/README.md, "Rounds
+        bound by overhead")."""
+        interval = self.service.settings.stream_interval
+        if self.completion.has_stop_strings:
+            def rendered():
+                while (kept := self.step()) is not None:
+                    yield _joined(render(kept))
+
+            return self.service.engine.ahead(rendered(), READ_AHEAD, interval)
+        return self._rendered_by_sender(render, interval)
+
+    def _rendered_by_sender(self, render, interval: float) -> Iterator[str]:
+        def decoded():  # on the engine thread: (the round's chunk, whether it is the last)
+            while not self.done and (chunk := self._next_chunk()) is not None:
+                self._over_time(chunk)
+                yield chunk, self.done or self._finished_by(chunk)
+
+        def rendered(item) -> str:  # on the greenlet, as it takes the round
+            chunk, self.final = item
+            return _joined(render(self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs)))
+
+        yield from self.service.engine.ahead(decoded(), READ_AHEAD, interval, rendered)
+        self.completion.finish()  # decoding has ended (not reached when the client has gone)
 
     def finish_reason(self) -> str | None:
         if self.completion.stopped:
@@ -243,6 +279,10 @@ def _stop(stream):
     except StopIteration as end:
         return end.value
     return None
+
+
+def _joined(events: str | Iterable[str]) -> str:
+    return events if isinstance(events, str) else "".join(events)
 
 
 def sse(payload: dict) -> str:

@@ -8,6 +8,8 @@ import logging
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from specdec.errors import SpecDecError
@@ -183,6 +185,20 @@ def test_completion_stream_with_usage(client):
     assert last["speculative_decoding_stats"]["num_draft_tokens"] > 0
     assert all("speculative_decoding_stats" not in c["choices"][0] for c in content[:-1])
     assert len(content) > 2 and all(c["choices"][0]["text"] for c in content[:-1])  # no empty chunk before the last
+
+
+@settings(max_examples=40, deadline=None)
+@given(text=st.text(max_size=40), index=st.integers(0, 3), chat=st.booleans(), include_usage=st.booleans())
+def test_a_text_chunk_is_the_models_rendering(text, index, chat, include_usage):
+    """A stream's text chunks are rendered once as a template (openai_routes.Reply._text_chunk): the same bytes as
+    the pydantic models give, for any text (quotes, control characters, non-ASCII) and either shape."""
+    from specdec.serve.openai_routes import Reply
+
+    reply = Reply(chat=chat, id="cmpl-1", created=7, model="target", fingerprint="fp", include_usage=include_usage)
+    assert reply._chunk(text, index) == reply._rendered_chunk(text, index)
+    assert reply._chunk(text, index, role=True) == reply._rendered_chunk(text, index, role=True)
+    assert json.loads(reply._chunk(text, index).removeprefix("data: "))["choices"][0]["text" if not chat else
+                                                                                     "delta"] in (text, {"content": text})
 
 
 def test_chat_stream_starts_with_the_role(client):

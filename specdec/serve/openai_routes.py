@@ -6,8 +6,9 @@ request id, the log line and the metrics. Only the shapes differ (openai_protoco
 the same Generation, as one JSON object or as OpenAI's Server-Sent Events.
 """
 
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flask import Blueprint, current_app, g, request
 
@@ -46,6 +47,8 @@ from .structured import ToolCallReader, parse_tool_calls
 
 openai_routes = Blueprint("openai", __name__, url_prefix="/v1")
 DONE = "data: [DONE]\n\n"
+# the text of the chunk that Reply._text_chunk renders once, to put each round's text in its place
+_PLACEHOLDER = "\x00specdec-text\x00"
 
 
 def service():
@@ -231,6 +234,8 @@ class Reply:
     include_usage: bool
     logprobs: bool = False  # the request asked for logprobs
     tools: bool = False  # a chat answer that may hold tool calls: they are read out of its text
+    # a text chunk's rendering before and after its text, by choice index (_text_chunk)
+    _text_templates: dict = field(default_factory=dict, repr=False, compare=False)
 
     def _header(self) -> dict:
         return {"id": self.id, "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint}
@@ -317,6 +322,25 @@ class Reply:
 
     def _chunk(self, text: str | None, index: int = 0, reason: str | None = None, stats=None, role: bool = False,
                usage: dict | None = None, logprobs=None, calls=None) -> str:
+        if (isinstance(text, str) and reason is None and stats is None and not role and usage is None
+                and logprobs is None and calls is None):
+            return self._text_chunk(text, index)
+        return self._rendered_chunk(text, index, reason, stats, role, usage, logprobs, calls)
+
+    def _text_chunk(self, text: str, index: int) -> str:
+        """A chunk of text alone (most of a stream's): the models' own rendering of a placeholder text, made once,
+        with this text's JSON in its place. The same bytes as rendering the chunk (tests/test_openai.py), without
+        building and dumping the models each round (about 20 us a round, run on the greenlet beside the engine
+        thread)."""
+        parts = self._text_templates.get(index)
+        if parts is None:
+            placeholder = json.dumps(_PLACEHOLDER, ensure_ascii=False)
+            before, after = self._rendered_chunk(_PLACEHOLDER, index).split(placeholder)
+            parts = self._text_templates[index] = (before, after)
+        return parts[0] + json.dumps(text, ensure_ascii=False) + parts[1]
+
+    def _rendered_chunk(self, text: str | None, index: int = 0, reason: str | None = None, stats=None,
+                        role: bool = False, usage: dict | None = None, logprobs=None, calls=None) -> str:
         if usage is not None:
             choices = []
         elif self.chat:

@@ -1,11 +1,12 @@
 """GenerationStats: what one generation did and cost, for finished and abandoned generations alike.
 
-The engine fills it; the CLI prints it, the service serialises it (`asdict`) and feeds its metrics from it, the
+The engine fills it; the CLI prints it, the service serialises it (`as_dict`) and feeds its metrics from it, the
 benchmark aggregates it. Reading it like a dict (`stats["new_tokens"]`) still works, as it did when it was one.
 """
 
+import functools
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
 
 @dataclass(frozen=True, eq=True)
@@ -64,7 +65,9 @@ class GenerationStats(Mapping):
     cached_tokens: int | None = None
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The fields as a dict (`dataclasses.asdict`'s, with its lists and dicts copied: their items are numbers
+        and strings, so one level is a deep copy, at a fifth of asdict's cost, paid by every answer)."""
+        return {name: _copied(getattr(self, name)) for name in self._names()}
 
     # --- read-only mapping view --------------------------------------------------------------------------------
 
@@ -81,7 +84,20 @@ class GenerationStats(Mapping):
 
     @classmethod
     def _names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        return _field_names(cls)
+
+
+@functools.cache
+def _field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
+def _copied(value):
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, list):
+        return list(value)
+    return value
 
 
 def summed(stats: "list[GenerationStats] | tuple[GenerationStats, ...]") -> dict:

@@ -316,6 +316,18 @@ def test_stats(decoder):
     assert one["first_chunk_tokens"] == 1 and one["decode_tokens_per_second"] is None  # nothing after it
 
 
+def test_stats_as_a_dict_are_asdicts_and_their_own(decoder):
+    """GenerationStats.as_dict (what every answer serialises) is dataclasses.asdict's, its lists and dicts copies."""
+    import dataclasses
+
+    stats = decoder.generate(PROMPT, max_new_tokens=12, method="google", gamma=3, seed=0, drafter="hybrid").stats
+    assert stats.as_dict() == dataclasses.asdict(stats) and stats.as_dict()["proposed_by_drafter"]
+    copy = stats.as_dict()
+    copy["accepted_per_position"].append(99)
+    copy["proposed_by_drafter"]["model"] = -1
+    assert stats.as_dict() == dataclasses.asdict(stats)  # the stats did not change with the copy
+
+
 def test_stats_prefill_is_each_models_first_forward(decoder):
     # a slow prompt forward (only the first forward sees the whole prompt) must land in the prefill figures alone
     def slow_prompt(module, args, kwargs):

@@ -83,13 +83,9 @@ class GenerationStats(Mapping):
         return len(self._names())
 
     @classmethod
+    @functools.cache
     def _names(cls) -> tuple[str, ...]:
-        return _field_names(cls)
-
-
-@functools.cache
-def _field_names(cls) -> tuple[str, ...]:
-    return tuple(f.name for f in fields(cls))
+        return tuple(f.name for f in fields(cls))
 
 
 def _copied(value):

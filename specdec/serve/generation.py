@@ -43,7 +43,7 @@ class Generation:
         self.closed = False
         self._close_lock = threading.Lock()
         self._deferred: list | None = None  # rounds not yet detokenized (a JSON answer without stop strings: run)
-        self._final_stats = None  # (the result, its stats with the wait for the engine): stats()
+        self._final_stats: GenerationStats | None = None  # the result's, with the wait for the engine: stats()
 
     @property
     def done(self) -> bool:
@@ -170,9 +170,9 @@ class Generation:
         """The engine's stats (so far, if abandoned), with the wait for the engine; None for a stream that is not
         the engine's."""
         if self.result is not None:  # final: made once (the answer, the log line and the metrics read it)
-            if self._final_stats is None or self._final_stats[0] is not self.result:
-                self._final_stats = (self.result, replace(self.result.stats, queue_seconds=self.slot.waited))
-            return self._final_stats[1]
+            if self._final_stats is None:
+                self._final_stats = replace(self.result.stats, queue_seconds=self.slot.waited)
+            return self._final_stats
         if hasattr(self.stream, "stats"):
             stats = self.stream.stats()
         else:

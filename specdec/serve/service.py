@@ -16,7 +16,7 @@ from flask import Response, jsonify, request
 from ..errors import SpecDecError
 from ..grammar import CompiledGrammar, Constraint
 from ..params import SamplingParams
-from ..text import decoder_of, encode_messages, encode_prompt, token_bytes
+from ..text import encode_messages, encode_prompt, token_bytes
 from ..threads import os_lock
 from .concurrency import EngineThread
 from .config import Settings
@@ -64,7 +64,6 @@ class Service:
         # fast tokenizers are not safe for concurrent use; a native lock, which the engine thread takes twice a
         # token (a greenlet holds it only while the tokenizer runs, never across a switch)
         self._tokenizer_lock = os_lock()
-        self._decoder = None  # (the tokenizer, its decode function), made on first use
 
     # --- the resident pair (see loader.py) -----------------------------------------------------------------
 
@@ -125,9 +124,7 @@ class Service:
         """Token ids to text as completions show it (text.decoder_of); twice a generated token, on the engine
         thread."""
         with self._tokenizer_lock:
-            if self._decoder is None or self._decoder[0] is not self.tokenizer:
-                self._decoder = (self.tokenizer, decoder_of(self.tokenizer))
-            return self._decoder[1](token_ids)
+            return self.models.decode_text(token_ids)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as logprobs show it (special tokens included)."""

@@ -92,6 +92,29 @@ class Detokenizer:
             return after[len(before):]
         return ""
 
+    def add_all(self, token_ids: Iterable[int], decode: Callable[[list[int]], str] | None = None) -> list[str]:
+        """[self.add(token_id) for token_id in token_ids], in one loop (a JSON answer's text, made at the end),
+        through `decode` if given (the same function, called without a per-call lock: the caller holds it). Each
+        token's text alone (the context the next one is decoded after) is decoded once per token id."""
+        decode = decode or self._decode
+        ids, prefix, read, pieces, alone = self._ids, self._prefix, self._read, [], {}
+        for token_id in token_ids:
+            ids.append(token_id)
+            if read - prefix == 1:  # the usual case: the context is the one token before this one
+                before = alone.get(ids[prefix])
+                if before is None:
+                    before = alone[ids[prefix]] = decode(ids[prefix:read])
+            else:
+                before = decode(ids[prefix:read])
+            after = decode(ids[prefix:])
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                prefix, read = read, len(ids)
+                pieces.append(after[len(before):])
+            else:
+                pieces.append("")
+        self._prefix, self._read = prefix, read
+        return pieces
+
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end decodes to U+FFFD)."""
         before = self._decode(self._ids[self._prefix:self._read])
@@ -162,6 +185,30 @@ class Completion:
             self.offsets.append(len(self.text))
             self._append(token_id, source, self._detokenizer.add(token_id), kept)
         return kept
+
+    def extend(self, chunks: Iterable, decode: Callable[[list[int]], str] | None = None) -> None:
+        """Feed each chunk (an engine Chunk: token_ids, sources, logprobs) in turn, the tokens kept dropped: the
+        same state as `feed` gives, in one loop where no stop string can cut the text (a JSON answer's rounds
+        detokenized at the end: bench/README.md, "A thinner service, again"), through `decode` if given
+        (Detokenizer.add_all)."""
+        if self._stop or self.stopped:
+            for chunk in chunks:
+                self.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
+            return
+        token_ids, sources, logprobs = [], [], []
+        for chunk in chunks:
+            n = min(len(chunk.token_ids), len(chunk.sources))  # as feed's zip
+            token_ids += chunk.token_ids[:n]
+            sources += chunk.sources[:n]
+            logprobs += chunk.logprobs[:n] if chunk.logprobs is not None else [None] * n
+        pieces = self._detokenizer.add_all(token_ids, decode)
+        offset = len(self.text)
+        for token_id, source, piece in zip(token_ids, sources, pieces):
+            self.tokens.append({"id": token_id, "text": piece, "source": source})
+            self.offsets.append(offset)
+            offset += len(piece)
+        self.logprobs += logprobs
+        self.text += "".join(pieces)
 
     def finish(self) -> None:
         """Decoding ended: release the held-back text (unless a stop string already cut it)."""

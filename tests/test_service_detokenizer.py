@@ -1,6 +1,8 @@
 """detokenizer.py: incremental text equals one-shot decoding, multi-byte characters split over tokens, stop
 strings cut the text and are never streamed."""
 
+from types import SimpleNamespace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -61,6 +63,34 @@ def test_chunked_text_equals_decoding_at_once(byte_tokenizer, prompt, text, cuts
     sent.append(completion.take())
     assert "".join(sent) == completion.text == text
     assert "".join(t["text"] for t in completion.tokens) == text
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompt=st.text(min_size=0, max_size=8), text=st.text(min_size=0, max_size=30),
+       cuts=st.lists(st.integers(0, 5), max_size=10), with_logprobs=st.booleans(), stop=st.sampled_from([(), ("é",)]))
+def test_extend_gives_the_state_feeding_chunk_by_chunk_gives(byte_tokenizer, prompt, text, cuts, with_logprobs, stop):
+    """A JSON answer's rounds are detokenized in one loop once decoding has ended (Completion.extend): the same
+    text, tokens, offsets and log-probabilities as feeding them round by round, characters split over tokens and
+    empty rounds included (with a stop string, extend feeds round by round)."""
+    ids = byte_tokenizer.encode(text)
+    chunks, start = [], 0
+    for size in cuts + [len(ids)]:
+        token_ids = ids[start:start + size]
+        start += size
+        chunks.append(SimpleNamespace(token_ids=token_ids, sources=["draft", "target"][:1] * len(token_ids),
+                                      logprobs=[(start, i) for i in range(len(token_ids))] if with_logprobs else None))
+    prompt_ids = byte_tokenizer.encode(prompt)
+    fed, extended = (Completion(decoder_of(byte_tokenizer), prompt_ids, stop) for _ in range(2))
+    for chunk in chunks:
+        fed.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
+    extended.extend(chunks)
+    for completion in (fed, extended):
+        completion.finish()
+    assert extended.text == fed.text and extended.tokens == fed.tokens
+    assert extended.offsets == fed.offsets and extended.logprobs == fed.logprobs
+    assert extended.stopped == fed.stopped and extended.take() == fed.take()
+    if not stop:
+        assert fed.text == text
 
 
 def feed_text(completion, tokenizer, text, chunk=3):

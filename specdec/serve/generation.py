@@ -42,7 +42,8 @@ class Generation:
         self.final = False  # the round just decoded was the last: the next step ends without decoding
         self.closed = False
         self._close_lock = threading.Lock()
-        self._deferred: list | None = None  # rounds not yet detokenized (a JSON answer without stop strings: run)
+        self._held = None  # what the prompt cache holds once `run` closed the stream (else `close` closes it)
+        self._stream_closed = False
         self._final_stats: GenerationStats | None = None  # the result's, with the wait for the engine: stats()
 
     @property
@@ -55,17 +56,13 @@ class Generation:
             return None
         chunk = self._next_chunk()
         if chunk is None:
-            self._finish_text()
+            self.completion.finish()
             return None
-        if self._deferred is not None:
-            self._deferred.append(chunk)
-            kept = []
-        else:
-            kept = self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
+        kept = self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
         if self.completion.stopped:  # a stop string: no more rounds, but keep the engine's stats
             self._end()
         elif self._over_time(chunk):
-            self._finish_text()
+            self.completion.finish()
         self.final = self.done or self._finished_by(chunk)
         return kept
 
@@ -88,16 +85,6 @@ class Generation:
             return True
         return False
 
-    def _finish_text(self) -> None:
-        """Decoding has ended: the deferred rounds' text, then whatever the detokenizer held back."""
-        self._feed_deferred()
-        self.completion.finish()
-
-    def _feed_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, None
-        for chunk in deferred or ():
-            self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
-
     def _end(self) -> None:
         """End decoding after the round just committed; the engine returns its result (and stats)."""
         self.result = self.service.engine.call(_stop, self.stream)
@@ -108,23 +95,51 @@ class Generation:
                 or bool(chunk.token_ids) and chunk.token_ids[-1] in self.eos)
 
     def run(self) -> None:
-        """Decode to the end (a JSON answer) in one engine call: the rounds and their checks (stop strings, the
-        time budget) run one after the other on the engine thread, where `step`'s engine calls run inline, with no
-        hand-off to the request's greenlet between rounds. Detokenizing runs there too, under the tokenizer's
-        lock; nothing else reads this generation's text until it returns. Without stop strings nothing needs the
-        text before the end, so the rounds' tokens are detokenized once decoding has ended: the same text, and
-        between two rounds only the checks run (Python work between a small pair's forwards slows the forwards
-        themselves: bench/README.md, "Rounds bound by overhead")."""
+        """Decode to the end (a JSON answer) in one engine call, which also closes the stream: the rounds and their
+        checks (stop strings, the time budget) run one after the other on the engine thread, with no hand-off to
+        the request's greenlet between rounds. Detokenizing runs there too, under the tokenizer's lock; nothing
+        else reads this generation's text until it returns.
+
+        Without stop strings nothing needs the text before the end: the rounds are pulled from the stream in a
+        loop that checks only the time budget (`_decode_deferred`), and their tokens are detokenized once decoding
+        has ended: the same text. Python work between a small pair's forwards slows the forwards themselves
+        (bench/README.md, "Rounds bound by overhead")."""
         self.service.engine.call(self._decode_all)
 
     def _decode_all(self) -> None:
-        if not self.completion.has_stop_strings:
-            self._deferred = []
         try:
-            while self.step() is not None:
-                pass
+            if self.completion.has_stop_strings:
+                while self.step() is not None:
+                    pass
+            else:
+                self._decode_deferred()
         finally:
-            self._feed_deferred()  # an error: the tokens decoded until then, as without deferring
+            self._held = _close(self.stream, self.service.decoder)  # here, not in a second engine call
+            self._stream_closed = True
+
+    def _decode_deferred(self) -> None:
+        """`step` until the end, without stop strings, in one loop; the text made from all rounds at the end (on
+        an error, from those decoded until then, without the held-back rest, as `step` leaves it)."""
+        stream, deadline, clock, chunks, ended = self.stream, self.deadline, time.perf_counter, [], False
+        try:
+            while True:
+                chunk, result = _advance(stream)
+                if chunk is None:
+                    self.result, ended = result, True
+                    break
+                chunks.append(chunk)
+                self.new_tokens += len(chunk.token_ids)
+                if clock() > deadline and self._over_time(chunk):
+                    ended = True
+                    break
+        finally:
+            if chunks and chunks[0].prompt_logprobs is not None:
+                self.prompt_logprobs = chunks[0].prompt_logprobs
+            with self.service.decoding() as decode:
+                self.completion.extend(chunks, decode)
+            if ended:
+                self.completion.finish()
+                self.final = True
 
     def rounds(self, render: Callable[[list[dict]], str | Iterable[str]]) -> Iterator[str]:
         """A stream's rounds, each rendered by `render(kept)` (its event, or several), decoded on the engine thread
@@ -245,7 +260,8 @@ class Generation:
                 return
             self.closed = True
         try:
-            held = self.service.engine.call(_close, self.stream, self.service.decoder)
+            held = self._held if self._stream_closed else self.service.engine.call(_close, self.stream,
+                                                                                    self.service.decoder)
         finally:
             self.slot.release()
         record = self.record

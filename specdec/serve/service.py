@@ -6,6 +6,7 @@ the routes live in routes.py. After `drain` (SIGTERM, see worker.py) new request
 flight and queued finish.
 """
 
+import contextlib
 import logging
 import secrets
 import time
@@ -125,6 +126,12 @@ class Service:
         thread."""
         with self._tokenizer_lock:
             return self.models.decode_text(token_ids)
+
+    @contextlib.contextmanager
+    def decoding(self):
+        """`decode` without its lock, for many calls in a row: the lock is held meanwhile."""
+        with self._tokenizer_lock:
+            yield self.models.decode_text
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as logprobs show it (special tokens included)."""

@@ -82,25 +82,20 @@ class Detokenizer:
         self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
         self._prefix = 0  # ids[prefix:read] is the context whose text was already emitted
         self._read = len(self._ids)
+        self._alone: dict[int, str] = {}  # token id -> its text decoded alone (the usual context: add_all)
 
     def add(self, token_id: int) -> str:
-        self._ids.append(token_id)
-        before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self._prefix, self._read = self._read, len(self._ids)
-            return after[len(before):]
-        return ""
+        return self.add_all((token_id,))[0]
 
     def add_all(self, token_ids: Iterable[int], decode: Callable[[list[int]], str] | None = None) -> list[str]:
-        """[self.add(token_id) for token_id in token_ids], in one loop (a JSON answer's text, made at the end),
-        through `decode` if given (the same function, called without a per-call lock: the caller holds it). Each
-        token's text alone (the context the next one is decoded after) is decoded once per token id."""
+        """[self.add(token_id) for token_id in token_ids], in one loop, through `decode` if given (the same
+        function, called without a per-call lock: the caller holds it). The usual context of a token is the one
+        token before it, whose text alone is then decoded once per token id."""
         decode = decode or self._decode
-        ids, prefix, read, pieces, alone = self._ids, self._prefix, self._read, [], {}
+        ids, prefix, read, alone, pieces = self._ids, self._prefix, self._read, self._alone, []
         for token_id in token_ids:
             ids.append(token_id)
-            if read - prefix == 1:  # the usual case: the context is the one token before this one
+            if read - prefix == 1:
                 before = alone.get(ids[prefix])
                 if before is None:
                     before = alone[ids[prefix]] = decode(ids[prefix:read])
@@ -174,26 +169,28 @@ class Completion:
     def has_stop_strings(self) -> bool:
         return bool(self._stop)
 
-    def feed(self, token_ids: list[int], sources: list[str], logprobs: list | None = None) -> list[dict]:
+    def feed(self, token_ids: list[int], sources: list[str], logprobs: list | None = None,
+             decode: Callable[[list[int]], str] | None = None) -> list[dict]:
         """Add one committed chunk (with its tokens' log-probabilities, if any); returns the tokens kept from it
-        (those after a stop string are dropped)."""
+        (those after a stop string are dropped). `decode`: as Detokenizer.add_all's."""
+        if not self._stop:  # nothing can cut the text: the chunk's tokens in one loop
+            return self._append_all(token_ids, sources, logprobs, decode)
         kept = []
         for i, (token_id, source) in enumerate(zip(token_ids, sources)):
             if self.stopped:
                 break
             self.logprobs.append(logprobs[i] if logprobs is not None else None)
             self.offsets.append(len(self.text))
-            self._append(token_id, source, self._detokenizer.add(token_id), kept)
+            self._append(token_id, source, self._detokenizer.add_all((token_id,), decode)[0], kept)
         return kept
 
     def extend(self, chunks: Iterable, decode: Callable[[list[int]], str] | None = None) -> None:
         """Feed each chunk (an engine Chunk: token_ids, sources, logprobs) in turn, the tokens kept dropped: the
-        same state as `feed` gives, in one loop where no stop string can cut the text (a JSON answer's rounds
-        detokenized at the end: bench/README.md, "A thinner service, again"), through `decode` if given
-        (Detokenizer.add_all)."""
-        if self._stop or self.stopped:
+        same state as `feed` gives; without stop strings in one loop (a JSON answer's rounds detokenized at the
+        end: bench/README.md, "A thinner service, again")."""
+        if self._stop:
             for chunk in chunks:
-                self.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
+                self.feed(chunk.token_ids, chunk.sources, chunk.logprobs, decode)
             return
         token_ids, sources, logprobs = [], [], []
         for chunk in chunks:
@@ -201,14 +198,23 @@ class Completion:
             token_ids += chunk.token_ids[:n]
             sources += chunk.sources[:n]
             logprobs += chunk.logprobs[:n] if chunk.logprobs is not None else [None] * n
-        pieces = self._detokenizer.add_all(token_ids, decode)
-        offset = len(self.text)
-        for token_id, source, piece in zip(token_ids, sources, pieces):
-            self.tokens.append({"id": token_id, "text": piece, "source": source})
-            self.offsets.append(offset)
+        self._append_all(token_ids, sources, logprobs, decode)
+
+    def _append_all(self, token_ids: list[int], sources: list[str], logprobs: list | None,
+                    decode: Callable[[list[int]], str] | None) -> list[dict]:
+        """Add tokens where no stop string can cut the text; the tokens added."""
+        n = min(len(token_ids), len(sources))
+        pieces = self._detokenizer.add_all(token_ids[:n], decode)
+        kept = [{"id": token_id, "text": piece, "source": source}
+                for token_id, piece, source in zip(token_ids, pieces, sources)]
+        offset, offsets = len(self.text), self.offsets
+        for piece in pieces:
+            offsets.append(offset)
             offset += len(piece)
-        self.logprobs += logprobs
+        self.tokens += kept
+        self.logprobs += logprobs[:n] if logprobs is not None else [None] * n
         self.text += "".join(pieces)
+        return kept
 
     def finish(self) -> None:
         """Decoding ended: release the held-back text (unless a stop string already cut it)."""

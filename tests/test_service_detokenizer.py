@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from specdec.text import Completion, Detokenizer, token_bytes
+from specdec.text import PROMPT_CONTEXT, Completion, Detokenizer, token_bytes
 from tests.support.models import make_tokenizer
 
 
@@ -19,6 +19,18 @@ def byte_tokenizer():
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {symbol: i for i, symbol in enumerate(sorted(alphabet))}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+@pytest.fixture(scope="module")
+def merged_tokenizer():
+    """Byte-level BPE with a few merges: tokens of one to four characters, and "é" one token or two bytes."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    merges = [("a", "b"), ("ab", "c"), ("abc", "d"), ("Ã", "©"), ("Ġ", "a"), ("Ġa", "b")]
+    vocab = {symbol: i for i, symbol in enumerate(alphabet + ["".join(m) for m in merges])}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=backend)
@@ -65,22 +77,39 @@ def test_chunked_text_equals_decoding_at_once(byte_tokenizer, prompt, text, cuts
     assert "".join(t["text"] for t in completion.tokens) == text
 
 
-@settings(max_examples=60, deadline=None)
-@given(prompt=st.text(min_size=0, max_size=8), text=st.text(min_size=0, max_size=30),
+def reference_pieces(decode, prompt_ids, token_ids):
+    """The offsets scheme of TGI and vLLM, token by token, as plainly as it can be written."""
+    ids, prefix, read, pieces = list(prompt_ids[-PROMPT_CONTEXT:]), 0, len(prompt_ids[-PROMPT_CONTEXT:]), []
+    for token_id in token_ids:
+        ids.append(token_id)
+        before, after = decode(ids[prefix:read]), decode(ids[prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            pieces.append(after[len(before):])
+            prefix, read = read, len(ids)
+        else:
+            pieces.append("")
+    return pieces
+
+
+@pytest.mark.parametrize("name", ["byte_tokenizer", "merged_tokenizer"])
+@settings(max_examples=80, deadline=None)
+@given(prompt=st.text(min_size=0, max_size=8), text=st.text("ab.é ", max_size=30) | st.text(max_size=20),
        cuts=st.lists(st.integers(0, 5), max_size=10), with_logprobs=st.booleans(), stop=st.sampled_from([(), ("é",)]))
-def test_extend_gives_the_state_feeding_chunk_by_chunk_gives(byte_tokenizer, prompt, text, cuts, with_logprobs, stop):
-    """A JSON answer's rounds are detokenized in one loop once decoding has ended (Completion.extend): the same
-    text, tokens, offsets and log-probabilities as feeding them round by round, characters split over tokens and
-    empty rounds included (with a stop string, extend feeds round by round)."""
-    ids = byte_tokenizer.encode(text)
+def test_feed_and_extend_give_each_token_the_text_of_the_offsets_scheme(request, name, prompt, text, cuts,
+                                                                          with_logprobs, stop):
+    """Feeding rounds one by one (a token's text alone decoded once per id) and all at the end (a JSON answer:
+    Completion.extend) give each token its text by the offsets scheme decoded token by token, characters split
+    over tokens and empty rounds included; with a stop string, extend feeds round by round."""
+    tokenizer = request.getfixturevalue(name)
+    ids = tokenizer.encode(text)
     chunks, start = [], 0
     for size in cuts + [len(ids)]:
         token_ids = ids[start:start + size]
         start += size
-        chunks.append(SimpleNamespace(token_ids=token_ids, sources=["draft", "target"][:1] * len(token_ids),
+        chunks.append(SimpleNamespace(token_ids=token_ids, sources=["draft"] * len(token_ids),
                                       logprobs=[(start, i) for i in range(len(token_ids))] if with_logprobs else None))
-    prompt_ids = byte_tokenizer.encode(prompt)
-    fed, extended = (Completion(decoder_of(byte_tokenizer), prompt_ids, stop) for _ in range(2))
+    decode, prompt_ids = decoder_of(tokenizer), tokenizer.encode(prompt)
+    fed, extended = (Completion(decode, prompt_ids, stop) for _ in range(2))
     for chunk in chunks:
         fed.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
     extended.extend(chunks)
@@ -90,6 +119,10 @@ def test_extend_gives_the_state_feeding_chunk_by_chunk_gives(byte_tokenizer, pro
     assert extended.offsets == fed.offsets and extended.logprobs == fed.logprobs
     assert extended.stopped == fed.stopped and extended.take() == fed.take()
     if not stop:
+        pieces = reference_pieces(decode, prompt_ids, ids)
+        assert [token["text"] for token in fed.tokens[:-1]] == pieces[:-1]  # the last also holds the flushed rest
+        assert fed.offsets == [sum(map(len, pieces[:i])) for i in range(len(pieces))]
+        assert fed.logprobs == [entry for c in chunks for entry in (c.logprobs or [None] * len(c.token_ids))]
         assert fed.text == text
 
 

@@ -58,7 +58,8 @@ class Generation:
         if chunk is None:
             self.completion.finish()
             return None
-        kept = self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
+        with self.service.decoding() as decode:
+            kept = self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs, decode)
         if self.completion.stopped:  # a stop string: no more rounds, but keep the engine's stats
             self._end()
         elif self._over_time(chunk):
@@ -169,7 +170,9 @@ class Generation:
 
         def rendered(item) -> str:  # on the greenlet, as it takes the round
             chunk, self.final = item
-            return _joined(render(self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs)))
+            with self.service.decoding() as decode:
+                kept = self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs, decode)
+            return _joined(render(kept))
 
         yield from self.service.engine.ahead(decoded(), READ_AHEAD, interval, rendered)
         self.completion.finish()  # decoding has ended (not reached when the client has gone)
@@ -305,4 +308,8 @@ def _joined(events: str | Iterable[str]) -> str:
 
 
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {_to_json(payload)}\n\n"
+
+
+# json.dumps(payload, ensure_ascii=False) with its encoder made once, not once a call
+_to_json = json.JSONEncoder(ensure_ascii=False).encode

@@ -11,7 +11,9 @@ Google with the draft's confidence stop at 0.4 (HF assisted generation's default
 Each configuration loads the pair as the service does (`load_pair`, with `compile` false or true) and starts
 `python serving.py` with the same settings beside it; then, `--repeats` times after one warm-up, it decodes the
 prompt in-process and times `POST /predict` from the client, JSON and SSE, one after the other (paired, so that
-the machine's drift falls on all alike). Writes results.json and results.md to --out.
+the machine's drift falls on all alike), then the HTTP floor (bench/floor.py: the same wait and answer through
+gunicorn's gevent worker with no service in it), what any service built this way pays on this machine. Writes
+results.json and results.md to --out.
 """
 
 import argparse
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from bench.floor import FloorServer
 from bench.machine import machine_info
 from bench.methods import MODES, run_hf
 from bench.stress import Server, save_pair
@@ -52,6 +55,7 @@ def in_process(decoder: SpeculativeDecoder, ids: list[int], method: str, tokens:
                              **METHODS[method]).stats
     forwards = stats.draft_seconds + stats.target_seconds
     return {"tokens_per_second": stats.tokens_per_second, "new_tokens": stats.new_tokens, "rounds": stats.rounds,
+            "seconds": stats.total_seconds,
             "ms_per_round": 1e3 * stats.total_seconds / stats.rounds,
             "ms_per_round_outside_forwards": 1e3 * (stats.total_seconds - forwards) / stats.rounds,
             "acceptance_rate": stats.acceptance_rate}
@@ -87,7 +91,16 @@ def through_service(server: Server, method: str, tokens: int, stream: bool) -> d
     seconds = time.perf_counter() - started
     completion, engine_seconds = answer["usage"]["completion_tokens"], answer["stats"]["total_seconds"]
     return {"tokens_per_second": completion / seconds, "engine_tokens_per_second": completion / engine_seconds,
-            "ms_outside_engine": 1e3 * (seconds - engine_seconds)}
+            "ms_outside_engine": 1e3 * (seconds - engine_seconds), "seconds": seconds, "bytes": len(data)}
+
+
+def through_floor(floor: FloorServer, in_process_run: dict, answer_bytes: int) -> dict:
+    """The HTTP floor (bench/floor.py) for a request whose work takes as long as the in-process run and whose
+    answer is as long as the service's: tokens/s as if it had generated the same tokens."""
+    seconds = floor.wait(in_process_run["seconds"], answer_bytes)
+    return {"tokens_per_second": in_process_run["new_tokens"] / seconds,
+            "vs_in_process": in_process_run["seconds"] / seconds,
+            "ms_outside_work": 1e3 * (seconds - in_process_run["seconds"]), "seconds": seconds}
 
 
 def medians(runs: list[dict]) -> dict:
@@ -134,8 +147,9 @@ def measure(args, draft_dir: str, target_dir: str, folder: Path) -> dict:
                                              draft_quantization=args.draft_quantization)
         decoder = SpeculativeDecoder(draft, target, tokenizer)
         ids = encode_prompt(tokenizer, PROMPT, False)
-        server = None
+        server = floor = None
         if not args.no_service:
+            floor = FloorServer(folder / f"{name}-floor.log").wait_ready()
             threads = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
             server = Server(folder / f"{name}.log", env=threads, draft_model=draft_dir, target_model=target_dir,
                             device=args.device, compile=str(compiled).lower(),
@@ -153,13 +167,17 @@ def measure(args, draft_dir: str, target_dir: str, folder: Path) -> dict:
                             row[f"service-{'sse' if stream else 'json'}"] = run = \
                                 through_service(server, method, args.tokens, stream)
                             run["vs_in_process"] = run["tokens_per_second"] / row["in-process"]["tokens_per_second"]
+                        row["floor"] = through_floor(floor, row["in-process"], row["service-json"]["bytes"])
+                        for kind in ("service-json", "service-sse"):  # the service's wall time over the floor's
+                            row[kind]["vs_floor"] = row["floor"]["seconds"] / row[kind]["seconds"]
                     if repeat:
                         for kind, run in row.items():
                             runs.setdefault(f"{name}/{method}/{kind}", []).append(run)
             results.update({key: medians(rows) for key, rows in runs.items()})
         finally:
-            if server is not None:
-                server.stop()
+            for running in (server, floor):
+                if running is not None:
+                    running.stop()
         del decoder, draft, target
     results.update(hugging_face(draft_dir, target_dir, ids, args.tokens, args.repeats, args.device))
     return results
@@ -185,13 +203,21 @@ def markdown(report: dict) -> str:
             return "-"
         engine = row.get("engine_tokens_per_second")  # older reports lack the split
         split = "" if engine is None else f"; engine {engine:.0f}, +{row['ms_outside_engine']:.1f} ms"
-        return f"{figure(row['tokens_per_second'])} ({row['vs_in_process']:.2f}x{split})"
+        floor = "" if "vs_floor" not in row else f", {row['vs_floor']:.2f}x of the floor"  # older reports lack it
+        return f"{figure(row['tokens_per_second'])} ({row['vs_in_process']:.2f}x{floor}{split})"
+
+    def floor(key):
+        row = rows.get(key)
+        if row is None:
+            return "-"
+        return f"{figure(row['tokens_per_second'])} ({row['vs_in_process']:.2f}x, +{row['ms_outside_work']:.1f} ms)"
 
     lines = [f"`{report['command']}` ({report['date']}, {report['machine'].get('cpu')}, "
              f"{report['pair']} pair, {report['tokens']} new tokens, greedy, gamma 4)", "",
              "| path | method | tokens/s in-process | vs HF generate | vs HF assisted (the faster) | ms per round "
              "(outside forwards) | service JSON (vs in-process; engine's own tokens/s in the service, ms per request "
-             "outside it) | service SSE |", "|---|---|---|---|---|---|---|---|"]
+             "outside it) | service SSE | HTTP floor (bench/floor.py: the same wait, no service; vs in-process, "
+             "ms per request over the work) |", "|---|---|---|---|---|---|---|---|---|"]
     for path in ("eager", "compiled"):
         for method in METHODS:
             row = rows.get(f"{path}/{method}/in-process")
@@ -200,9 +226,10 @@ def markdown(report: dict) -> str:
             rate = row["tokens_per_second"]
             lines.append(f"| {path} | {method} | {figure(rate)} | {rate / hf_generate:.2f}x | {rate / hf_assisted:.2f}x "
                          f"| {row['ms_per_round']:.2f} ({row['ms_per_round_outside_forwards']:.2f}) "
-                         f"| {service(f'{path}/{method}/service-json')} | {service(f'{path}/{method}/service-sse')} |")
-    lines.append(f"| HF | generate | {figure(hf_generate)} | 1.00x | | | | |")
-    lines += [f"| HF | {ASSISTED[name]} | {figure(rate)} | | {rate / hf_assisted:.2f}x | | | |"
+                         f"| {service(f'{path}/{method}/service-json')} | {service(f'{path}/{method}/service-sse')} "
+                         f"| {floor(f'{path}/{method}/floor')} |")
+    lines.append(f"| HF | generate | {figure(hf_generate)} | 1.00x | | | | | |")
+    lines += [f"| HF | {ASSISTED[name]} | {figure(rate)} | | {rate / hf_assisted:.2f}x | | | | |"
               for name, rate in assisted.items()]
     return "\n".join(lines) + "\n"
 

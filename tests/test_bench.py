@@ -909,7 +909,31 @@ def test_overhead_table_compares_with_the_faster_of_hf_assisted_generations_two_
     assert "| eager | google-c0.4 | 400 | 4.00x | 2.00x |" in table  # against 200, not 50
     assert "| HF | assisted generation | 50.0 | | 0.25x |" in table
     assert "| HF | assisted generation, threshold fixed (as without scikit-learn) | 200 | | 1.00x |" in table
+    # the service's rows beside the HTTP floor's (bench/floor.py)
+    results["eager/target/service-json"] = {"tokens_per_second": 360.0, "vs_in_process": 0.9, "vs_floor": 0.95,
+                                            "engine_tokens_per_second": 390.0, "ms_outside_engine": 4.0}
+    results["eager/target/floor"] = {"tokens_per_second": 380.0, "vs_in_process": 0.95, "ms_outside_work": 2.0}
+    row = next(line for line in overhead.markdown({"command": "c", "date": "d", "machine": {}, "pair": "tiny",
+                                                   "tokens": 200, "results": results}).splitlines()
+               if line.startswith("| eager | target |"))
+    assert row.endswith("| 360 (0.90x, 0.95x of the floor; engine 390, +4.0 ms) | - | 380 (0.95x, +2.0 ms) |")
     # older reports, with one assisted row, still render
     del results["hf_assisted_fixed_threshold"]
     assert "| eager | google | 400 | 4.00x | 8.00x |" in overhead.markdown(
         {"command": "c", "date": "d", "machine": {}, "pair": "tiny", "tokens": 200, "results": results})
+
+
+def test_the_http_floor_waits_as_long_as_asked_and_answers_as_many_bytes(tmp_path):
+    """bench/floor.py: gunicorn's gevent worker with the work on an OS thread and no service: a request for
+    0.05 s of work takes at least that, and its answer has the size asked for (FloorServer.wait checks it)."""
+    from bench import overhead
+    from bench.floor import FloorServer
+
+    floor = FloorServer(tmp_path / "floor.log").wait_ready()
+    try:
+        assert 0.05 <= floor.wait(0.05, 300) < 5
+        row = overhead.through_floor(floor, {"seconds": 0.02, "new_tokens": 10}, 1000)
+        assert row["vs_in_process"] < 1 and row["ms_outside_work"] > 0 and row["tokens_per_second"] < 500
+    finally:
+        floor.stop()
+    assert floor.process.returncode is not None

@@ -58,14 +58,18 @@ class Generation:
         if chunk is None:
             self.completion.finish()
             return None
-        with self.service.decoding() as decode:
-            kept = self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs, decode)
+        kept = self._feed(chunk)
         if self.completion.stopped:  # a stop string: no more rounds, but keep the engine's stats
             self._end()
         elif self._over_time(chunk):
             self.completion.finish()
         self.final = self.done or self._finished_by(chunk)
         return kept
+
+    def _feed(self, chunk) -> list[dict]:
+        """The round's tokens into the completion, under the tokenizer's lock taken once for the round."""
+        with self.service.tokenizer_lock:
+            return self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs, self.service.models.decode_text)
 
     def _next_chunk(self):
         """The engine's next round (its chunk), or None once decoding has ended (the result kept)."""
@@ -136,8 +140,8 @@ class Generation:
         finally:
             if chunks and chunks[0].prompt_logprobs is not None:
                 self.prompt_logprobs = chunks[0].prompt_logprobs
-            with self.service.decoding() as decode:
-                self.completion.extend(chunks, decode)
+            with self.service.tokenizer_lock:  # taken once for all rounds
+                self.completion.extend(chunks, self.service.models.decode_text)
             if ended:
                 self.completion.finish()
                 self.final = True
@@ -170,9 +174,7 @@ class Generation:
 
         def rendered(item) -> str:  # on the greenlet, as it takes the round
             chunk, self.final = item
-            with self.service.decoding() as decode:
-                kept = self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs, decode)
-            return _joined(render(kept))
+            return _joined(render(self._feed(chunk)))
 
         yield from self.service.engine.ahead(decoded(), READ_AHEAD, interval, rendered)
         self.completion.finish()  # decoding has ended (not reached when the client has gone)

@@ -6,7 +6,6 @@ the routes live in routes.py. After `drain` (SIGTERM, see worker.py) new request
 flight and queued finish.
 """
 
-import contextlib
 import logging
 import secrets
 import time
@@ -62,9 +61,10 @@ class Service:
         self.engine = EngineThread()
         self.models = ModelHost(settings, self.engine, on_ready=self._ready)
         self.draining_since: float | None = None  # perf_counter() of drain(), the clock of RequestRecord.started
-        # fast tokenizers are not safe for concurrent use; a native lock, which the engine thread takes twice a
-        # token (a greenlet holds it only while the tokenizer runs, never across a switch)
-        self._tokenizer_lock = os_lock()
+        # fast tokenizers are not safe for concurrent use; a native lock, taken once a round to detokenize it
+        # (Generation._feed: models.decode_text under it) and around every other use of the tokenizer (a
+        # greenlet holds it only while the tokenizer runs, never across a switch)
+        self.tokenizer_lock = os_lock()
 
     # --- the resident pair (see loader.py) -----------------------------------------------------------------
 
@@ -122,24 +122,17 @@ class Service:
     # --- a request -----------------------------------------------------------------------------------------
 
     def decode(self, token_ids: list[int]) -> str:
-        """Token ids to text as completions show it (text.decoder_of); twice a generated token, on the engine
-        thread."""
-        with self._tokenizer_lock:
+        """Token ids to text as completions show it (text.decoder_of), under the tokenizer's lock."""
+        with self.tokenizer_lock:
             return self.models.decode_text(token_ids)
-
-    @contextlib.contextmanager
-    def decoding(self):
-        """`decode` without its lock, for many calls in a row: the lock is held meanwhile."""
-        with self._tokenizer_lock:
-            yield self.models.decode_text
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, as logprobs show it (special tokens included)."""
-        with self._tokenizer_lock:
+        with self.tokenizer_lock:
             return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def token_bytes(self, token_id: int) -> bytes:
-        with self._tokenizer_lock:
+        with self.tokenizer_lock:
             return token_bytes(self.tokenizer, token_id)
 
     def check_token_ids(self, ids: list[int], field_name: str = "prompt") -> list[int]:
@@ -154,7 +147,7 @@ class Service:
     def encode(self, prompt: str | None = None, chat: bool = False, messages: list[dict] | None = None,
                max_new_tokens: int = 0, field_name: str = "prompt", tools: list[dict] | None = None) -> list[int]:
         """The prompt's (or the chat messages', with the tools) token ids, checked against the length limits."""
-        with self._tokenizer_lock:
+        with self.tokenizer_lock:
             if messages is not None or chat:
                 if not getattr(self.tokenizer, "chat_template", None):
                     raise ApiError(422, "invalid_field", "this model has no chat template",

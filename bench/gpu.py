@@ -7,7 +7,8 @@ forward at the real shapes but accept almost nothing; else (--tiny) the tests' t
 1. forwards: one forward's ms by width (1 to 9 new tokens after 512 cached), draft and target, eager;
 2. eager: target-only and Google (gamma 4, greedy) tokens/s in-process, and ms per round outside the forwards;
 3. hf: Hugging Face `generate` and assisted generation on the same models;
-4. eager-service: the same two methods through the running service, JSON and SSE;
+4. eager-service: the same two methods through the running service, JSON and SSE, and beside each the HTTP floor
+   (bench/floor.py: what gunicorn's gevent worker adds to a request as long, with no service in it);
 5. compiled: the compiled static-cache path (specdec/compiled.py; CUDA graphs on CUDA): its compile seconds, and
    target-only and Google in-process;
 6. random-7b: a ~7B Llama-shape target and a ~0.5B draft, random weights, bfloat16: verification cost by gamma,
@@ -38,6 +39,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from bench import overhead
+from bench.floor import FloorServer
 from bench.forwards import forward_ms, forward_ms_by_width
 from bench.machine import machine_info
 from specdec import SpeculativeDecoder
@@ -207,16 +209,22 @@ def stage_service(run: Run, compiled: bool) -> dict:
     server = overhead.Server(run.folder / f"{name}.log", draft_model=draft_dir, target_model=target_dir,
                              device=run.device, compile=str(compiled).lower(), draft_quantization="none",
                              max_new_tokens_limit=max(run.args.tokens, 1024))
+    floor = FloorServer(run.folder / f"{name}-floor.log")
     try:
         server.wait_ready(timeout=max(60, run.left() - 30))
+        floor.wait_ready()
         rows = {"ready_seconds": time.perf_counter() - started}
         for method in overhead.METHODS:
             for stream in (False, True):
                 rows[f"{method}/{'sse' if stream else 'json'}"] = overhead.repeated(
                     overhead.through_service, run.args.repeats, server, method, run.args.tokens, stream)
+            # what HTTP through gunicorn's gevent worker adds on this machine to a request as long, no service in it
+            rows[f"{method}/floor"] = overhead.repeated(overhead.floor_beside, run.args.repeats, floor,
+                                                        rows[f"{method}/json"])
         return rows
     finally:
         server.stop()
+        floor.stop()
         shutil.copy(server.log_path, Path(run.args.out).parent / f"gpu-{name}-service.log")
 
 

@@ -91,7 +91,15 @@ def through_service(server: Server, method: str, tokens: int, stream: bool) -> d
     seconds = time.perf_counter() - started
     completion, engine_seconds = answer["usage"]["completion_tokens"], answer["stats"]["total_seconds"]
     return {"tokens_per_second": completion / seconds, "engine_tokens_per_second": completion / engine_seconds,
-            "ms_outside_engine": 1e3 * (seconds - engine_seconds), "seconds": seconds, "bytes": len(data)}
+            "ms_outside_engine": 1e3 * (seconds - engine_seconds), "seconds": seconds,
+            "engine_seconds": engine_seconds, "bytes": len(data)}
+
+
+def floor_beside(floor: FloorServer, service_run: dict) -> dict:
+    """The HTTP floor (bench/floor.py) for a request whose work takes as long as a service run's engine did and
+    whose answer is as long: the milliseconds any service built this way adds to it on this machine."""
+    seconds = floor.wait(service_run["engine_seconds"], int(service_run["bytes"]))
+    return {"ms_outside_work": 1e3 * (seconds - service_run["engine_seconds"])}
 
 
 def through_floor(floor: FloorServer, in_process_run: dict, answer_bytes: int) -> dict:

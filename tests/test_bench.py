@@ -468,6 +468,7 @@ def test_gpu_script_smoke_on_cpu(tmp_path):
         assert stages[path]["google"]["tokens_per_second"] > 0
         for key in ("target/json", "target/sse", "google/json", "google/sse"):
             assert stages[f"{path}-service"][key]["tokens_per_second"] > 0
+        assert stages[f"{path}-service"]["target/floor"]["ms_outside_work"] > 0  # bench/floor.py beside it
     assert all(stages["hf"][name]["tokens_per_second"] > 0
                for name in ("hf_generate", "hf_assisted", "hf_assisted_fixed_threshold"))
     assert all(rate > 0 for path in ("eager", "compiled") for rate in stages["random-7b"][path].values())

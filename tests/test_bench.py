@@ -938,3 +938,18 @@ def test_the_http_floor_waits_as_long_as_asked_and_answers_as_many_bytes(tmp_pat
     finally:
         floor.stop()
     assert floor.process.returncode is not None
+
+
+def test_one_process_benchmark_pairs_the_service_with_the_same_decode_run_directly(tmp_path):
+    """bench/one_process.py (gevent-patched, so in its own process): each method's JSON and SSE requests paired
+    with the same decode run directly on the service's engine thread, with the request's own parameters."""
+    done = subprocess.run([sys.executable, "-m", "bench.one_process", "--compile", "false", "--tokens", "8",
+                           "--repeats", "2", "--methods", "target,google", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert set(report["results"]) == {"target/json", "target/sse", "google/json", "google/sse"}
+    for row in report["results"].values():
+        assert row["pairs"] == 2 and 0 < row["vs_direct"] < 2 and 0 < row["engine_vs_direct"] < 2
+        assert row["direct_tokens_per_second"] > 0 and row["ms_outside_engine"] > 0
+    assert "| target | SSE |" in (tmp_path / "results.md").read_text()

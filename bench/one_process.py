@@ -61,6 +61,8 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", type=lambda v: v.split(","), default=list(METHODS))
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 tiny, 2 default)")
     parser.add_argument("--stream-interval", type=float, default=None)
+    parser.add_argument("--stop", default=None, help="a stop string sent with every request (one that never occurs "
+                                                    "measures checking it every round)")
     parser.add_argument("--out", default=None, help="a folder for results.json and results.md")
     args = parser.parse_args(argv)
     if unknown := set(args.methods) - set(METHODS):
@@ -82,6 +84,7 @@ def main(argv=None) -> int:
     report = {"command": "python -m bench.one_process " + " ".join(sys.argv[1:] if argv is None else argv),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
               "pair": args.pair, "compile": args.compile, "tokens": args.tokens, "repeats": args.repeats,
+              "stop": args.stop,
               "results": results}
     table = markdown(report)
     if args.out:
@@ -138,7 +141,8 @@ def measure(args, draft_dir: str, target_dir: str, methods: dict, prompt: str) -
 
     def request(method: str, kind: str) -> tuple[float, float]:
         body = {"prompt": prompt, "max_new_tokens": args.tokens, "gamma": 4, "temperature": 0, "seed": 0,
-                "ignore_eos": True, "cache_prompt": False, "stream": kind == "sse", **methods[method]}
+                "ignore_eos": True, "cache_prompt": False, "stream": kind == "sse", **methods[method],
+                **({"stop": [args.stop]} if args.stop else {})}
         client.stdin.write(f"{kind} {json.dumps(body)}\n")
         client.stdin.flush()
         reply = json.loads(client.stdout.readline())

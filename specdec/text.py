@@ -176,12 +176,16 @@ class Completion:
         if not self._stop:  # nothing can cut the text: the chunk's tokens in one loop
             return self._append_all(token_ids, sources, logprobs, decode)
         kept = []
-        for i, (token_id, source) in enumerate(zip(token_ids, sources)):
-            if self.stopped:
-                break
+        if self.stopped:
+            return kept
+        # the chunk's pieces at once (the detokenizer may run past a stop string: nothing reads it after one)
+        pieces = self._detokenizer.add_all(token_ids[:len(sources)], decode)
+        for i, (token_id, source, piece) in enumerate(zip(token_ids, sources, pieces)):
             self.logprobs.append(logprobs[i] if logprobs is not None else None)
             self.offsets.append(len(self.text))
-            self._append(token_id, source, self._detokenizer.add_all((token_id,), decode)[0], kept)
+            self._append(token_id, source, piece, kept)
+            if self.stopped:
+                break
         return kept
 
     def extend(self, chunks: Iterable, decode: Callable[[list[int]], str] | None = None) -> None:

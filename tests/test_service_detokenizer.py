@@ -99,7 +99,8 @@ def test_feed_and_extend_give_each_token_the_text_of_the_offsets_scheme(request,
                                                                           with_logprobs, stop):
     """Feeding rounds one by one (a token's text alone decoded once per id) and all at the end (a JSON answer:
     Completion.extend) give each token its text by the offsets scheme decoded token by token, characters split
-    over tokens and empty rounds included; with a stop string, extend feeds round by round."""
+    over tokens and empty rounds included; with a stop string, the text ends before it and the tokens with the one
+    that completes it (extend then feeds round by round)."""
     tokenizer = request.getfixturevalue(name)
     ids = tokenizer.encode(text)
     chunks, start = [], 0
@@ -118,12 +119,19 @@ def test_feed_and_extend_give_each_token_the_text_of_the_offsets_scheme(request,
     assert extended.text == fed.text and extended.tokens == fed.tokens
     assert extended.offsets == fed.offsets and extended.logprobs == fed.logprobs
     assert extended.stopped == fed.stopped and extended.take() == fed.take()
-    if not stop:
-        pieces = reference_pieces(decode, prompt_ids, ids)
-        assert [token["text"] for token in fed.tokens[:-1]] == pieces[:-1]  # the last also holds the flushed rest
-        assert fed.offsets == [sum(map(len, pieces[:i])) for i in range(len(pieces))]
-        assert fed.logprobs == [entry for c in chunks for entry in (c.logprobs or [None] * len(c.token_ids))]
+    pieces = reference_pieces(decode, prompt_ids, ids)
+    if stop:  # the text up to the stop string; the tokens up to the one whose text completes it
+        assert fed.stopped == (stop[0] in text) and fed.text == text.split(stop[0])[0]
+        if fed.stopped:
+            ends = [len("".join(pieces[:i + 1])) for i in range(len(pieces))]
+            pieces = pieces[:next(i for i, end in enumerate(ends) if stop[0] in text[:end]) + 1]
+            assert len(fed.tokens) == len(pieces)
+    else:
         assert fed.text == text
+    assert [token["text"] for token in fed.tokens[:-1]] == pieces[:len(fed.tokens) - 1]  # the last may hold the rest
+    assert fed.offsets == [sum(map(len, pieces[:i])) for i in range(len(fed.tokens))]
+    assert fed.logprobs == [entry for c in chunks for entry in (c.logprobs or [None] * len(c.token_ids))][
+        :len(fed.tokens)]
 
 
 def feed_text(completion, tokenizer, text, chunk=3):

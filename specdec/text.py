@@ -60,6 +60,15 @@ def _generic_backend(tokenizer):
     return None
 
 
+def concatenates(tokenizer) -> bool:
+    """Whether `decoder_of(tokenizer)` decodes two tokens to the two texts joined wherever each decodes to valid
+    text alone: a Rust tokenizer called directly whose decoder is byte-level BPE's (the tokens' bytes joined, then
+    UTF-8) or Fuse (the tokens' strings joined). Not SentencePiece's Metaspace (it drops the space at the start of
+    a text), WordPiece's or a Sequence of decoders."""
+    backend = _generic_backend(tokenizer)
+    return backend is not None and type(backend.decoder).__name__ in ("ByteLevel", "Fuse")
+
+
 def token_pieces(decode: Callable[[list[int]], str], token_ids: list[int], prompt_ids: Sequence[int] = ()) -> list[str]:
     """The text each token adds, decoded in context; a token ending inside a multi-byte character shows with
     the next one, and the last piece holds anything still held back."""
@@ -77,12 +86,14 @@ class Detokenizer:
     adds all of it, so the pieces always join to valid text.
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], prompt_ids: list[int]):
+    def __init__(self, decode: Callable[[list[int]], str], prompt_ids: list[int], concatenative: bool = False):
         self._decode = decode
         self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
         self._prefix = 0  # ids[prefix:read] is the context whose text was already emitted
         self._read = len(self._ids)
         self._alone: dict[int, str] = {}  # token id -> its text decoded alone (the usual context: add_all)
+        # `decode` joins texts (`concatenates`): a token after one whose text came whole adds its own text alone
+        self._concatenative = concatenative
 
     def add(self, token_id: int) -> str:
         return self.add_all((token_id,))[0]
@@ -93,12 +104,22 @@ class Detokenizer:
         token before it, whose text alone is then decoded once per token id."""
         decode = decode or self._decode
         ids, prefix, read, alone, pieces = self._ids, self._prefix, self._read, self._alone, []
+        concatenative = self._concatenative
         for token_id in token_ids:
             ids.append(token_id)
             if read - prefix == 1:
                 before = alone.get(ids[prefix])
                 if before is None:
                     before = alone[ids[prefix]] = decode(ids[prefix:read])
+                if concatenative and read == len(ids) - 1 and "\ufffd" not in before:
+                    # [previous, this]: its text is the previous one's and this one's joined, where both are whole
+                    text = alone.get(token_id)
+                    if text is None:
+                        text = alone[token_id] = decode([token_id])
+                    if text and "\ufffd" not in text:
+                        prefix, read = read, len(ids)
+                        pieces.append(text)
+                        continue
             else:
                 before = decode(ids[prefix:read])
             after = decode(ids[prefix:])
@@ -152,8 +173,9 @@ class Completion:
     and how much of the text may be sent without ever having to take it back. `logprobs` and `offsets` run
     beside `tokens`: each token's log-probabilities (None when not asked for) and where its text starts."""
 
-    def __init__(self, decode: Callable[[list[int]], str], prompt_ids: list[int], stop: Iterable[str] = ()):
-        self._detokenizer = Detokenizer(decode, prompt_ids)
+    def __init__(self, decode: Callable[[list[int]], str], prompt_ids: list[int], stop: Iterable[str] = (),
+                 concatenative: bool = False):
+        self._detokenizer = Detokenizer(decode, prompt_ids, concatenative)
         self._stop = [s for s in stop if s]
         self._longest_stop = max((len(s) for s in self._stop), default=0)
         self.text = ""

@@ -89,6 +89,32 @@ def test_the_direct_decoder_gives_the_tokenizers_text(real_pair):
         assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
+def test_qwens_tokens_get_the_same_text_when_each_after_a_whole_one_is_decoded_alone(real_pair):
+    """Qwen's decoder is byte-level BPE's, which joins texts (text.concatenates): the detokenizer then gives a token
+    after a whole one its own text alone. The same pieces as the offsets scheme with both decodes, on random ids
+    with special and added tokens, tokens that split characters, and text around them."""
+    from specdec.text import Detokenizer, concatenates, decoder_of
+
+    tokenizer = real_pair[3]
+    assert concatenates(tokenizer)
+    decode = decoder_of(tokenizer)
+    generator = torch.Generator().manual_seed(1)
+    specials = tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>", "<tool_call>", "</tool_call>"])
+    text = tokenizer.encode("naïve 日本 🙂 def f(x):\n\treturn x  # 平方", add_special_tokens=False)
+    split = [i for i in range(len(tokenizer)) if "\ufffd" in decode([i])][:2000]  # parts of characters
+    assert len(split) > 100
+    for _ in range(200):
+        n = int(torch.randint(1, 60, (1,), generator=generator))
+        ids = torch.randint(0, len(tokenizer), (n,), generator=generator).tolist()
+        for i in range(0, n, 3):
+            kind = int(torch.randint(0, 4, (1,), generator=generator))
+            ids[i] = (specials[i % len(specials)] if kind == 0 else split[(i * 37) % len(split)] if kind == 1
+                      else text[i % len(text)])
+        prompt = text[: int(torch.randint(0, 8, (1,), generator=generator))]
+        fast, plain = Detokenizer(decode, prompt, concatenative=True), Detokenizer(decode, prompt)
+        assert fast.add_all(ids) == plain.add_all(ids) and fast.flush() == plain.flush()
+
+
 def encode(tokenizer, text: str, chat: bool) -> list[int]:
     if chat:
         text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from specdec.text import PROMPT_CONTEXT, Completion, Detokenizer, token_bytes
+from specdec.text import PROMPT_CONTEXT, Completion, Detokenizer, concatenates, token_bytes
 from tests.support.models import make_tokenizer
 
 
@@ -91,18 +91,28 @@ def reference_pieces(decode, prompt_ids, token_ids):
     return pieces
 
 
-@pytest.mark.parametrize("name", ["byte_tokenizer", "merged_tokenizer"])
+@pytest.fixture(scope="module")
+def char_tokenizer():
+    return make_tokenizer()  # one token a character, joined by a Fuse decoder, specials skipped
+
+
+@pytest.mark.parametrize("name", ["byte_tokenizer", "merged_tokenizer", "char_tokenizer"])
 @settings(max_examples=80, deadline=None)
 @given(prompt=st.text(min_size=0, max_size=8), text=st.text("ab.é ", max_size=30) | st.text(max_size=20),
        cuts=st.lists(st.integers(0, 5), max_size=10), with_logprobs=st.booleans(), stop=st.sampled_from([(), ("é",)]))
 def test_feed_and_extend_give_each_token_the_text_of_the_offsets_scheme(request, name, prompt, text, cuts,
                                                                           with_logprobs, stop):
-    """Feeding rounds one by one (a token's text alone decoded once per id) and all at the end (a JSON answer:
-    Completion.extend) give each token its text by the offsets scheme decoded token by token, characters split
-    over tokens and empty rounds included; with a stop string, the text ends before it and the tokens with the one
+    """Feeding rounds one by one (a token's text alone decoded once per id; these decoders join the tokens' texts,
+    so a token after a whole one adds its own text alone) and all at the end (a JSON answer: Completion.extend)
+    give each token its text by the offsets scheme decoded token by token, characters split over tokens, special
+    tokens and empty rounds included; with a stop string, the text ends before it and the tokens with the one
     that completes it (extend then feeds round by round)."""
     tokenizer = request.getfixturevalue(name)
+    assert concatenates(tokenizer)
     ids = tokenizer.encode(text)
+    if name == "char_tokenizer":  # its special tokens (skipped: no text) among the characters
+        ids = ids[:3] + [0, 2] + ids[3:]
+    text = decoder_of(tokenizer)(ids)  # what the pieces join to
     chunks, start = [], 0
     for size in cuts + [len(ids)]:
         token_ids = ids[start:start + size]
@@ -110,7 +120,7 @@ def test_feed_and_extend_give_each_token_the_text_of_the_offsets_scheme(request,
         chunks.append(SimpleNamespace(token_ids=token_ids, sources=["draft"] * len(token_ids),
                                       logprobs=[(start, i) for i in range(len(token_ids))] if with_logprobs else None))
     decode, prompt_ids = decoder_of(tokenizer), tokenizer.encode(prompt)
-    fed, extended = (Completion(decode, prompt_ids, stop) for _ in range(2))
+    fed, extended = (Completion(decode, prompt_ids, stop, concatenative=True) for _ in range(2))
     for chunk in chunks:
         fed.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
     extended.extend(chunks)

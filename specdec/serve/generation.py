@@ -34,7 +34,7 @@ class Generation:
         self.logprobs = logprobs  # the request asked for the tokens' log-probabilities
         self.eos = frozenset(eos)  # the tokens that end this request's decoding (none with ignore_eos)
         self.prompt_logprobs = None  # the prompt's (TokenLogprobs, None for the first), when asked for
-        self.completion = Completion(service.decode, prompt_ids, stop)
+        self.completion = Completion(service.decode, prompt_ids, stop, service.models.text_concatenates)
         self.result = None
         self.new_tokens = 0
         self.deadline = time.perf_counter() + service.settings.request_timeout  # the engine is ours until then

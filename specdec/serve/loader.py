@@ -18,7 +18,7 @@ from ..grammar import GrammarCompiler
 from ..kv_cache import input_device
 from ..models.startup import startup_step
 from ..prompt_cache import default_budget, memory_bytes, weights_bytes
-from ..text import decoder_of
+from ..text import concatenates, decoder_of
 from .concurrency import EngineThread
 from .config import Settings
 from .errors import ApiError
@@ -38,6 +38,7 @@ class ModelHost:
         self.decoder: SpeculativeDecoder | None = None
         self.tokenizer = None
         self.decode_text: Callable[[list[int]], str] | None = None  # text.decoder_of(tokenizer)
+        self.text_concatenates = False  # text.concatenates(tokenizer): decode_text joins the tokens' texts
         self.eos_token_ids: list[int] = []
         self.grammars: GrammarCompiler | None = None  # structured outputs' compiler, for the served tokenizer
         self.special_tool_tokens = False  # <tool_call> and </tool_call> are tokens of the tokenizer
@@ -100,6 +101,7 @@ class ModelHost:
                 self.special_tool_tokens = all(tokenizer.convert_tokens_to_ids(token) not in (None, tokenizer.unk_token_id)
                                                for token in (CALL_BEGIN, CALL_END))
             self.tokenizer, self.decode_text, self.decoder = tokenizer, decoder_of(tokenizer), decoder
+            self.text_concatenates = concatenates(tokenizer)
             self._on_ready(self.info["load_seconds"])
             logger.info("models ready in %.1f s, resident memory %s (peak %s): %s", self.info["load_seconds"],
                         _gigabytes(self.info["resident_memory_bytes"]),

@@ -38,8 +38,8 @@ def decoder_of(tokenizer) -> Callable[[list[int]], str]:
 
     For a fast tokenizer whose class decodes as transformers' generic one does (Qwen's, Llama's, GPT-2's: the
     Rust tokenizer's decode, then no clean-up), the Rust tokenizer is called directly: the same text, without the
-    Python wrapper around it (1 against 4 us a call; the service decodes twice a token). A class that decodes its
-    own way (CodeGen's, Marian's, ...) is asked through its `decode`."""
+    Python wrapper around it (1 against 4 us a call; the service decodes up to twice a token). A class that
+    decodes its own way (CodeGen's, Marian's, ...) is asked through its `decode`."""
     backend = _generic_backend(tokenizer)
     if backend is not None:
         return functools.partial(backend.decode, skip_special_tokens=True)

@@ -113,28 +113,14 @@ class Generation:
 
     def _decode_all(self) -> None:
         try:
-            if self.completion.has_stop_strings:
-                self._decode_checked()
+            if self.completion.has_stop_strings:  # each round's text made and checked as it comes
+                while self.step() is not None:
+                    pass
             else:
                 self._decode_deferred()
         finally:
             self._held = _close(self.stream, self.service.decoder)  # here, not in a second engine call
             self._stream_closed = True
-
-    def _decode_checked(self) -> None:
-        """`step` until the end, with stop strings, in one loop: each round's text made and checked as it comes."""
-        deadline, clock = self.deadline, time.perf_counter
-        while (chunk := self._next_chunk()) is not None:
-            self._feed(chunk)
-            if self.completion.stopped:  # a stop string: no more rounds, but keep the engine's stats
-                self._end()
-                break
-            if clock() > deadline and self._over_time(chunk):
-                self.completion.finish()
-                break
-        else:
-            self.completion.finish()
-        self.final = True
 
     def _decode_deferred(self) -> None:
         """`step` until the end, without stop strings, in one loop; the text made from all rounds at the end (on

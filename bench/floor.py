@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.stress import ROOT, free_port
+from bench.stress import ROOT, free_port, stop_process
 
 EMPTY_ANSWER = len(b'{"text": ""}')  # the shortest answer, in bytes
 
@@ -100,10 +100,4 @@ class FloorServer:
         return seconds
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, 30)

@@ -219,8 +219,10 @@ def stage_service(run: Run, compiled: bool) -> dict:
                 rows[f"{method}/{'sse' if stream else 'json'}"] = overhead.repeated(
                     overhead.through_service, run.args.repeats, server, method, run.args.tokens, stream)
             # what HTTP through gunicorn's gevent worker adds on this machine to a request as long, no service in it
-            rows[f"{method}/floor"] = overhead.repeated(overhead.floor_beside, run.args.repeats, floor,
-                                                        rows[f"{method}/json"])
+            served = rows[f"{method}/json"]
+            rows[f"{method}/floor"] = overhead.repeated(overhead.through_floor, run.args.repeats, floor,
+                                                        served["engine_seconds"], int(served["bytes"]),
+                                                        run.args.tokens)
         return rows
     finally:
         server.stop()

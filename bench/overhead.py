@@ -95,20 +95,13 @@ def through_service(server: Server, method: str, tokens: int, stream: bool) -> d
             "engine_seconds": engine_seconds, "bytes": len(data)}
 
 
-def floor_beside(floor: FloorServer, service_run: dict) -> dict:
-    """The HTTP floor (bench/floor.py) for a request whose work takes as long as a service run's engine did and
-    whose answer is as long: the milliseconds any service built this way adds to it on this machine."""
-    seconds = floor.wait(service_run["engine_seconds"], int(service_run["bytes"]))
-    return {"ms_outside_work": 1e3 * (seconds - service_run["engine_seconds"])}
-
-
-def through_floor(floor: FloorServer, in_process_run: dict, answer_bytes: int) -> dict:
-    """The HTTP floor (bench/floor.py) for a request whose work takes as long as the in-process run and whose
-    answer is as long as the service's: tokens/s as if it had generated the same tokens."""
-    seconds = floor.wait(in_process_run["seconds"], answer_bytes)
-    return {"tokens_per_second": in_process_run["new_tokens"] / seconds,
-            "vs_in_process": in_process_run["seconds"] / seconds,
-            "ms_outside_work": 1e3 * (seconds - in_process_run["seconds"]), "seconds": seconds}
+def through_floor(floor: FloorServer, work_seconds: float, answer_bytes: int, new_tokens: int) -> dict:
+    """The HTTP floor (bench/floor.py) for a request whose work takes `work_seconds` (an in-process run's, or a
+    service run's engine time) and whose answer is `answer_bytes` long: its tokens/s as if it had generated
+    `new_tokens`, its share of the work's speed, and the milliseconds any service built this way adds."""
+    seconds = floor.wait(work_seconds, answer_bytes)
+    return {"tokens_per_second": new_tokens / seconds, "vs_in_process": work_seconds / seconds,
+            "ms_outside_work": 1e3 * (seconds - work_seconds), "seconds": seconds}
 
 
 def medians(runs: list[dict]) -> dict:
@@ -175,7 +168,8 @@ def measure(args, draft_dir: str, target_dir: str, folder: Path) -> dict:
                             row[f"service-{'sse' if stream else 'json'}"] = run = \
                                 through_service(server, method, args.tokens, stream)
                             run["vs_in_process"] = run["tokens_per_second"] / row["in-process"]["tokens_per_second"]
-                        row["floor"] = through_floor(floor, row["in-process"], row["service-json"]["bytes"])
+                        row["floor"] = through_floor(floor, row["in-process"]["seconds"], row["service-json"]["bytes"],
+                                                     row["in-process"]["new_tokens"])
                         for kind in ("service-json", "service-sse"):  # the service's wall time over the floor's
                             row[kind]["vs_floor"] = row["floor"]["seconds"] / row[kind]["seconds"]
                     if repeat:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import requests
 
-from bench.stress import free_port
+from bench.stress import free_port, stop_process
 from specdec.models import default_pair
 from specdec.models.default_pair import GGUFSource
 
@@ -168,13 +168,8 @@ class LlamaServer:
         raise RuntimeError(f"llama-server was not ready within {self.ready_timeout:.0f} s; log: {self.log_path}")
 
     def __exit__(self, *exc) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process:
+            stop_process(self.process, 30)
 
     def complete(self, ids: list[int], tokens: int, speculative: bool = False, **sampling) -> dict:
         """One request's run; `speculative`: the server must report drafted tokens, or it did not speculate."""

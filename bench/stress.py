@@ -86,6 +86,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def stop_process(process: subprocess.Popen, grace: float) -> int:
+    """SIGTERM, then SIGKILL if it has not exited within `grace` seconds; its exit status."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
+
+
 class Server:
     """`python serving.py` (gunicorn) on 127.0.0.1 with only the SPECDEC_* settings given here."""
 
@@ -120,14 +132,7 @@ class Server:
         raise RuntimeError(f"the server was not ready within {timeout} s:\n{self.log()[-3000:]}")
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
+        return stop_process(self.process, 60)
 
     def worker_pid(self) -> int:
         """The gunicorn worker (the master's one child): where the models, the threads and the sockets live."""

@@ -933,7 +933,7 @@ def test_the_http_floor_waits_as_long_as_asked_and_answers_as_many_bytes(tmp_pat
     floor = FloorServer(tmp_path / "floor.log").wait_ready()
     try:
         assert 0.05 <= floor.wait(0.05, 300) < 5
-        row = overhead.through_floor(floor, {"seconds": 0.02, "new_tokens": 10}, 1000)
+        row = overhead.through_floor(floor, 0.02, 1000, 10)
         assert row["vs_in_process"] < 1 and row["ms_outside_work"] > 0 and row["tokens_per_second"] < 500
     finally:
         floor.stop()

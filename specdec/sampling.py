@@ -39,25 +39,31 @@ def top_p_removed(scores: torch.Tensor, top_p: float, shortcut: bool = True) -> 
     or where those are more than TOP_P_CANDIDATES, the TOP_P_CANDIDATES most likely. When the tokens outside have
     a mass <= 1 - top_p, the rule removes them all whatever their order (each cumulative sum among them is at most
     that mass), and the candidates' cumulative sums only need that mass added; otherwise: the full sort. Row by row.
+    A vocabulary of at most TOP_P_CANDIDATES is sorted whole, all rows at once (the shortcut's dozen small
+    operations a row cost more than the sort there).
     """
     size = scores.size(-1)
     flat = scores.reshape(-1, size)
+    if not shortcut or size <= TOP_P_CANDIDATES:
+        sorted_scores, ascending_idx = torch.sort(flat, dim=-1, descending=False)
+        remove_sorted = sorted_scores.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+        remove_sorted[:, -1:] = False  # always keep the most likely token
+        return remove_sorted.scatter(-1, ascending_idx, remove_sorted).reshape(scores.shape)
     removed = torch.ones_like(flat, dtype=torch.bool)
     margin = math.log((1 - top_p) / size)
     for row, out in zip(flat, removed):
         cumulative = None
-        if shortcut:
-            probs = row.softmax(-1)  # not exp(row - logsumexp(row)): exp is 10x slower on the -inf of masked rows
-            chosen = row >= row.max() + margin
-            candidates = chosen.nonzero().squeeze(-1)
-            if len(candidates) > TOP_P_CANDIDATES:  # a flat distribution: the most likely ones may do
-                candidates = torch.topk(row, TOP_P_CANDIDATES).indices
-                chosen = torch.zeros_like(chosen).index_fill_(0, candidates, True)
-            order = row[candidates].argsort()
-            outside = probs.masked_fill(chosen, 0).sum()
-            if bool(outside <= 1 - top_p):
-                ascending_idx = candidates[order]
-                cumulative = outside + probs[ascending_idx].cumsum(-1)
+        probs = row.softmax(-1)  # not exp(row - logsumexp(row)): exp is 10x slower on the -inf of masked rows
+        chosen = row >= row.max() + margin
+        candidates = chosen.nonzero().squeeze(-1)
+        if len(candidates) > TOP_P_CANDIDATES:  # a flat distribution: the most likely ones may do
+            candidates = torch.topk(row, TOP_P_CANDIDATES).indices
+            chosen = torch.zeros_like(chosen).index_fill_(0, candidates, True)
+        order = row[candidates].argsort()
+        outside = probs.masked_fill(chosen, 0).sum()
+        if bool(outside <= 1 - top_p):
+            ascending_idx = candidates[order]
+            cumulative = outside + probs[ascending_idx].cumsum(-1)
         if cumulative is None:
             sorted_scores, ascending_idx = torch.sort(row, descending=False)
             cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)

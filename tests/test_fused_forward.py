@@ -5,6 +5,7 @@ library."""
 
 import pytest
 import torch
+from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 from torch import nn
 
 from specdec.cpu.attention import use_gqa_attention
@@ -130,6 +131,11 @@ def test_hooks_added_later_bring_the_librarys_forward_back():
     hook = model.register_forward_pre_hook(lambda *args: None)
     assert fused_forward(model) is None and CachedModel(model)._fused is None
     hook.remove()
+    assert fused_forward(model) is not None
+    # accelerate's hooks (a device_map's, offloading's) replace a module's forward and mark it with _hf_hook
+    add_hook_to_module(model.model.layers[1].self_attn, ModelHook())
+    assert fused_forward(model) is None and not supports(model)
+    remove_hook_from_module(model.model.layers[1].self_attn)
     assert fused_forward(model) is not None
 
 

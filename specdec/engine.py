@@ -34,7 +34,7 @@ from .params import (
 )
 from .prompt_cache import PromptCache, cache_length, reusable
 from .prompt_cache import crop as crop_cache
-from .sampling import TokenLogprobs, logits_to_probs, mask_logits, sample, token_logprobs
+from .sampling import TokenLogprobs, logit_bias_vector, logits_to_probs, mask_logits, sample, token_logprobs
 from .stats import GenerationStats
 from .verification import accept_mask
 
@@ -348,19 +348,22 @@ class SpeculativeDecoder:
                  eos_token_id=None, *, drafter: str = SamplingParams.drafter,
                  verification: str = SamplingParams.verification,
                  draft_confidence_threshold: float = SamplingParams.draft_confidence_threshold,
-                 params: SamplingParams | None = None, grammar: CompiledGrammar | None = None) -> GenerationResult:
+                 logit_bias=None, params: SamplingParams | None = None,
+                 grammar: CompiledGrammar | None = None) -> GenerationResult:
         """Decode up to max_new_tokens after input_ids. gamma=None chooses the draft length adaptively.
 
         drafter: "model" (the draft model), "lookup" (prompt lookup) or "hybrid" (lookup where it matches, the
         model elsewhere); verification: "token" or "block"; draft_confidence_threshold: the draft model ends its
-        run after a token it gave a probability below this (0: never). `params`, if given, is used instead of the
-        sampling keywords (max_new_tokens .. seed, drafter, verification, draft_confidence_threshold). `grammar`
+        run after a token it gave a probability below this (0: never); logit_bias: {token id: bias} added to the
+        logits before temperature, top-k and top-p (SamplingParams). `params`, if given, is used instead of the
+        sampling keywords (max_new_tokens .. seed, drafter, verification, draft_confidence_threshold, logit_bias). `grammar`
         (grammar.GrammarCompiler.compile's) constrains the output: the target's distribution with the tokens the
         grammar forbids removed, at every position, before temperature, top-k and top-p."""
         stream = self.stream(input_ids, max_new_tokens=max_new_tokens, method=method, gamma=gamma,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                              drafter=drafter, verification=verification,
-                             draft_confidence_threshold=draft_confidence_threshold, params=params, grammar=grammar)
+                             draft_confidence_threshold=draft_confidence_threshold, logit_bias=logit_bias,
+                             params=params, grammar=grammar)
         while True:
             try:
                 next(stream)
@@ -372,7 +375,8 @@ class SpeculativeDecoder:
                eos_token_id=None, *, drafter: str = SamplingParams.drafter,
                verification: str = SamplingParams.verification,
                draft_confidence_threshold: float = SamplingParams.draft_confidence_threshold,
-               params: SamplingParams | None = None, grammar: CompiledGrammar | None = None) -> Stream:
+               logit_bias=None, params: SamplingParams | None = None,
+               grammar: CompiledGrammar | None = None) -> Stream:
         """Like `generate`, but yields each round's committed tokens as a Chunk and returns the GenerationResult.
 
         Arguments are checked here, before decoding starts. `send("stop")` ends decoding with finish_reason
@@ -382,7 +386,8 @@ class SpeculativeDecoder:
         if params is None:
             params = SamplingParams(max_new_tokens=max_new_tokens, method=method, gamma=gamma,
                                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, drafter=drafter,
-                                    verification=verification, draft_confidence_threshold=draft_confidence_threshold)
+                                    verification=verification, draft_confidence_threshold=draft_confidence_threshold,
+                                    logit_bias=logit_bias)
         elif not isinstance(params, SamplingParams):
             raise SpecDecError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
         seed = int.from_bytes(os.urandom(8), "little") >> 1 if params.seed is None else params.seed % 2**64
@@ -401,7 +406,10 @@ class SpeculativeDecoder:
         req = _Request(prompt, params, self.context_length, seed, set() if params.ignore_eos else eos,
                        self.vocab_size, cache_prompt=self.caches_prompt(params),
                        guide=None if grammar is None else grammar.start(eos))
-        warper = _Warper(params.temperature, params.top_k, params.top_p, self.vocab_size)
+        if params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:
+            raise SpecDecError(f"logit_bias: token {params.logit_bias[-1][0]} is not in the vocabulary of "
+                               f"{self.vocab_size} tokens", field="logit_bias")
+        warper = _Warper(params.temperature, params.top_k, params.top_p, self.vocab_size, params.logit_bias)
         return Stream(req, self._run(req, warper))
 
     def caches_prompt(self, params: SamplingParams) -> bool:
@@ -720,10 +728,14 @@ class SpeculativeDecoder:
 
 
 class _Warper:
-    """Logits -> the distribution sampled from, identical for draft and target (and the baselines)."""
+    """Logits -> the distribution sampled from, identical for draft and target (and the baselines): a request's
+    logit bias added, a grammar's mask, then temperature, top-k and top-p."""
 
-    def __init__(self, temperature: float, top_k: int, top_p: float, vocab_size: int):
+    def __init__(self, temperature: float, top_k: int, top_p: float, vocab_size: int,
+                 logit_bias: tuple[tuple[int, float], ...] | None = None):
         self.temperature, self.top_k, self.top_p, self.vocab_size = temperature, top_k, top_p, vocab_size
+        self.logit_bias = logit_bias
+        self._bias: dict[tuple, torch.Tensor] = {}  # the bias as a vector, by (device, logits' size)
 
     def __call__(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
         """(..., V') logits -> (..., V) probabilities; `allowed`, a grammar's (..., V) mask, removes the tokens it
@@ -742,4 +754,9 @@ class _Warper:
 
     def _masked(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
         logits = logits[..., : self.vocab_size]
+        if self.logit_bias:  # added in float32, before the mask and the warpers (as a logits processor is)
+            key = (logits.device, logits.size(-1))
+            if key not in self._bias:
+                self._bias[key] = logit_bias_vector(self.logit_bias, logits.size(-1), logits.device)
+            logits = logits.float() + self._bias[key]
         return logits if allowed is None else mask_logits(logits, allowed)

@@ -5,6 +5,7 @@ Method names and every bound live here; the HTTP request models and the settings
 """
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
 from .errors import SpecDecError
@@ -19,6 +20,7 @@ ADAPTIVE_MAX_GAMMA = 8
 MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32; 0 means greedy
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # seeds are taken modulo 2**64
+MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's bound): -100 bans a token, 100 all but forces it
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,11 @@ class SamplingParams:
     `ignore_eos` (llama.cpp's and vLLM's name): an end-of-sequence token is kept and decoding goes on, to
     max_new_tokens (benchmarks that must generate a fixed number of tokens); not with a grammar constraint, which
     ends with EOS.
+
+    `logit_bias` (OpenAI's): {token id: bias in [-100, 100]} added to the target's logits (and the draft's) before
+    temperature, top-k and top-p, so the output follows the biased target's distribution exactly; given as a
+    mapping, kept as ((id, bias), ...) sorted by id. Ids must be below the vocabulary's size (checked by the
+    engine). Log-probabilities stay the raw model's.
     """
 
     max_new_tokens: int = 64
@@ -62,6 +69,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     cache_prompt: bool = True
     ignore_eos: bool = False
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self):
         for name, allowed in (("method", METHODS), ("drafter", DRAFTERS), ("verification", VERIFICATIONS)):
@@ -94,6 +102,7 @@ class SamplingParams:
         if not isinstance(self.grammar_drafter, bool):
             raise SpecDecError(f"grammar_drafter must be true or false, got {self.grammar_drafter!r}",
                                field="grammar_drafter")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         object.__setattr__(self, "draft_confidence_threshold", threshold)
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
@@ -118,6 +127,31 @@ def _integer(value, name: str, low: int, high: int | None = None) -> int:
         bound = f">= {low}" if high is None else f"between {low} and {high}"
         raise SpecDecError(f"{name} must be {bound}, got {value}", field=name)
     return value
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...] | None:
+    """A logit bias as ((token id, bias), ...) sorted by id, None for none (or an empty one); SpecDecError naming
+    `logit_bias` for anything else."""
+    if value is None:
+        return None
+    try:
+        pairs = list(value.items() if isinstance(value, Mapping) else value)
+        if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs):
+            raise TypeError
+    except TypeError:
+        raise SpecDecError(f"logit_bias must map token ids to numbers, got {value!r}", field="logit_bias") from None
+    bias = {}
+    for token, amount in pairs:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise SpecDecError(f"logit_bias: token ids must be integers >= 0, got {token!r}", field="logit_bias")
+        amount = _finite(amount, "logit_bias")
+        if abs(amount) > MAX_LOGIT_BIAS:
+            raise SpecDecError(f"logit_bias: a bias must be between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got "
+                               f"{amount:g} for token {token}", field="logit_bias")
+        if token in bias:
+            raise SpecDecError(f"logit_bias: token {token} is given twice", field="logit_bias")
+        bias[token] = amount
+    return tuple(sorted(bias.items())) or None
 
 
 def _finite(value, name: str) -> float:

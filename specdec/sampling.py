@@ -7,6 +7,7 @@ is expressed as a one-hot distribution, which lets the rejection rule treat gree
 """
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -79,6 +80,18 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int =
         greedy = logits.argmax(dim=-1, keepdim=True)
         return torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, greedy, 1.0)
     return warp_logits(logits, temperature, top_k, top_p).softmax(dim=-1)
+
+
+def logit_bias_vector(bias: Sequence[tuple[int, float]], size: int, device=None) -> torch.Tensor:
+    """OpenAI's logit_bias ((token id, amount), ...) as a (size,) float32 vector to add to logits: the amounts at
+    their ids, 0 elsewhere (adding 0 leaves a logit's bits as they are); ids at or past `size` are left out (a
+    draft with fewer logits)."""
+    vector = torch.zeros(size, dtype=torch.float32, device=device)
+    kept = [(token, amount) for token, amount in bias if token < size]
+    if kept:
+        ids, amounts = zip(*kept)
+        vector[list(ids)] = torch.tensor(amounts, dtype=torch.float32, device=device)
+    return vector
 
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

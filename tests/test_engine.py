@@ -61,6 +61,32 @@ def test_greedy_equals_target_greedy_for_every_drafter_and_rule(arch):
     assert accepted["lookup"] > 0 and accepted["model"] > 0  # both drafters had proposals accepted
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_greedy_with_a_logit_bias_equals_target_greedy_with_it(arch):
+    """logit_bias under greedy decoding: every drafter, rule and variant (the short path and the general one)
+    gives target-only's tokens under the same bias; the bias changes them, a banned token never comes, and a
+    token past the vocabulary is refused naming the field."""
+    target = make_model(arch, seed=0, initializer_range=0.1)
+    decoder = SpeculativeDecoder(perturbed_copy(target, noise=0.3), target)
+    plain = decoder.generate(PROMPT, max_new_tokens=40, method="target", temperature=0).token_ids
+    common = sorted(set(plain), key=plain.count)[-2:]  # the two tokens target-only greedy gives most
+    bias = {common[-1]: -100.0, common[0]: 2.0}
+    reference = decoder.generate(PROMPT, max_new_tokens=40, method="target", temperature=0, logit_bias=bias).token_ids
+    assert reference != plain and common[-1] not in reference
+    for drafter in DRAFTERS:
+        for rule in VERIFICATIONS:
+            for method, gamma in (("google", 1), ("deepmind", 4), ("google", None)):
+                result = decoder.generate(PROMPT, max_new_tokens=40, method=method, gamma=gamma, temperature=0,
+                                          drafter=drafter, verification=rule, logit_bias=bias)
+                assert result.token_ids == reference, (arch, drafter, rule, method, gamma)
+    general = general_path(SpeculativeDecoder(decoder.draft_model, decoder.target_model))
+    assert general.generate(PROMPT, max_new_tokens=40, method="google", temperature=0,
+                            logit_bias=bias).token_ids == reference
+    with pytest.raises(SpecDecError) as error:
+        decoder.generate(PROMPT, logit_bias={decoder.vocab_size: 1.0})
+    assert error.value.field == "logit_bias"
+
+
 def general_path(decoder):
     """A round observer: the engine then verifies greedy rounds as sampled ones are (q and p built, uniforms
     drawn, the rule applied) instead of by its greedy short path."""
@@ -392,11 +418,21 @@ def test_caches_hold_committed_prefix_after_each_round(pair, monkeypatch):
     ({"temperature": 1e-30}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
     ({"max_new_tokens": 0}, "max_new_tokens"), ({"method": "beam"}, "method"), ({"seed": "x"}, "seed"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"logit_bias": {5: 100.5}}, "logit_bias"), ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+    ({"logit_bias": {True: 1.0}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
+    ({"logit_bias": [(5, 1.0), (5, 2.0)]}, "logit_bias"), ({"logit_bias": {5: "1"}}, "logit_bias"),
 ])
 def test_bad_arguments_raise_clear_error(decoder, kwargs, field):
     with pytest.raises(SpecDecError) as err:
         decoder.generate(PROMPT, **kwargs)
     assert err.value.field == field
+
+
+def test_a_logit_bias_is_kept_sorted_and_an_empty_one_is_none():
+    params = SamplingParams(logit_bias={7: -100, 2: 0.5})
+    assert params.logit_bias == ((2, 0.5), (7, -100.0)) and hash(params) == hash(params.replace())
+    assert SamplingParams(logit_bias={}).logit_bias is None
 
 
 @pytest.mark.parametrize("prompt", [[], [1, 2, 10_000], [-1], "abc", [1.5]])

@@ -95,9 +95,11 @@ def llama_pair():
     return draft, target
 
 
-def exact_distribution(target, temperature, top_k, top_p, prompt=PROMPT, allowed=None) -> dict[tuple, float]:
+def exact_distribution(target, temperature, top_k, top_p, prompt=PROMPT, allowed=None, bias=None
+                       ) -> dict[tuple, float]:
     """P(x1 x2 x3 | prompt) under the target with transformers' warpers, by enumeration (no cache). With
-    `allowed` (a prefix's allowed next tokens), the tokens outside it are masked first, as a grammar does."""
+    `allowed` (a prefix's allowed next tokens), the tokens outside it are masked first, as a grammar does; with
+    `bias` ({token: amount}, OpenAI's logit_bias), the amounts are added to the logits before anything else."""
     warpers = [TemperatureLogitsWarper(temperature)]
     if top_k:
         warpers.append(TopKLogitsWarper(top_k))
@@ -108,6 +110,8 @@ def exact_distribution(target, temperature, top_k, top_p, prompt=PROMPT, allowed
         ids = torch.tensor([prompt + list(prefix)])
         with torch.no_grad():
             scores = target(input_ids=ids).logits[:, -1].float()
+        for token, amount in (bias or {}).items():
+            scores[:, token] += amount
         if allowed is not None:
             forbidden = torch.ones(scores.shape[-1], dtype=torch.bool)
             forbidden[sorted(allowed(prefix))] = False
@@ -301,6 +305,60 @@ def test_samples_follow_target_distribution_with_a_warm_prompt_cache(close_pair,
     assert warm >= WARM_SAMPLES - 1  # the first draw found nothing
     expected = exact_distribution(target, *SETTINGS[setting], prompt=prompt)
     assert goodness_of_fit(counts, expected, WARM_SAMPLES) > 1e-3
+
+
+# --- a logit bias ----------------------------------------------------------------------------------------------
+
+BIAS = {3: 1.5, 6: -2.0, 0: -100.0}  # a token favoured, one disfavoured, one banned (the target gives 0 up to 0.2)
+BIAS_RULES = [("model", "token", "google"), ("model", "token", "deepmind"), ("model", "block", "google"),
+              ("hybrid", "token", "deepmind")]
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("setting", ["t1", "t0.8-topk5-topp0.9"])
+@pytest.mark.parametrize("drafter, rule, variant", BIAS_RULES)
+def test_samples_with_a_logit_bias_follow_the_biased_target(close_pair, drafter, rule, variant, setting):
+    """logit_bias: the samples follow the target's distribution with the bias added to its logits before the
+    warpers, for both rules and variants and a drafter that mixes lookup and model proposals; the unbiased
+    target's distribution fails the same test on the same counts (the bias matters here), and the banned token
+    never appears."""
+    draft, target = close_pair
+    prompt, totals = prompt_for(drafter), {}
+    counts = draw(SpeculativeDecoder(draft, target), variant, SETTINGS[setting], DRAFTER_SAMPLES, seed=19,
+                  prompt=prompt, totals=totals, drafter=drafter, verification=rule, logit_bias=BIAS)
+    expected = exact_distribution(target, *SETTINGS[setting], prompt=prompt, bias=BIAS)
+    assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
+    unbiased = exact_distribution(target, *SETTINGS[setting], prompt=prompt)
+    assert fails_the_test(counts, unbiased, DRAFTER_SAMPLES)
+    assert not any(0 in key for key in counts)
+    assert_drafters_served(drafter, totals, DRAFTER_SAMPLES)
+
+
+@pytest.mark.statistical
+def test_a_logit_bias_on_the_draft_alone_fails_the_test(close_pair, monkeypatch):
+    """The test has power against the bias reaching only the draft: with the target's rows left unbiased (the
+    warper biases the draft's logits, not the target's), the samples are the unbiased target's and fail."""
+    draft, target = close_pair
+    from specdec.engine import _Warper
+
+    masked = _Warper._masked
+
+    def draft_only(self, logits, allowed):  # the target's rows come in (k + 1, V), the draft's one at a time
+        return masked(self, logits, allowed) if logits.dim() == 1 else masked(
+            _Warper(self.temperature, self.top_k, self.top_p, self.vocab_size), logits, allowed)
+
+    monkeypatch.setattr(_Warper, "_masked", draft_only)
+    counts = draw(SpeculativeDecoder(draft, target), "google", SETTINGS["t1"], DRAFTER_SAMPLES, seed=19,
+                  logit_bias=BIAS)
+    assert fails_the_test(counts, exact_distribution(target, *SETTINGS["t1"], bias=BIAS), DRAFTER_SAMPLES)
+
+
+def fails_the_test(counts: dict, expected: dict, n: int) -> bool:
+    """Whether the counts fail the goodness-of-fit test: p below 1e-6, or a draw the distribution rules out."""
+    try:
+        return goodness_of_fit(counts, expected, n) < 1e-6
+    except AssertionError:  # drew a continuation of probability 0
+        return True
 
 
 # --- the other drafters and block verification ------------------------------------------------------------------

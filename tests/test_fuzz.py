@@ -166,10 +166,17 @@ def test_schemathesis_against_the_openapi_document(app, mode):
         constraint = json.dumps([body.get("structured_outputs"), body.get("response_format")])
         return constraint.isascii() and "\\u" not in constraint
 
+    def in_vocabulary(body) -> bool:
+        """Whether a logit_bias names token ids of the served vocabulary: OpenAPI 3.0 can say neither that its
+        keys are digits nor how many tokens there are."""
+        bias = body.get("logit_bias") or {}
+        return all(key.isascii() and key.isdigit() and int(key) < service.decoder.vocab_size for key in bias)
+
     @settings(FUZZ, max_examples=100)
     @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
     def check(case):
-        if mode == "positive" and isinstance(case.body, dict) and not compiles(case.body):
+        if mode == "positive" and isinstance(case.body, dict) and not (compiles(case.body)
+                                                                       and in_vocabulary(case.body)):
             reject()
         response = case.call()
         statuses.append(response.status_code)

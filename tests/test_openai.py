@@ -436,7 +436,9 @@ REFUSED = [  # (route, field values, param, code)
     ("chat", {"top_logprobs": 2}, "top_logprobs", "invalid_value"),  # without logprobs: true
     ("completions", {"presence_penalty": 0.5}, "presence_penalty", "unsupported_value"),
     ("chat", {"frequency_penalty": -1}, "frequency_penalty", "unsupported_value"),
-    ("chat", {"logit_bias": {"5": 10}}, "logit_bias", "unsupported_value"),
+    ("chat", {"logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
+    ("completions", {"logit_bias": {"abc": 1}}, "logit_bias.abc", "invalid_value"),
+    ("chat", {"logit_bias": {"100": 1}}, "logit_bias", "invalid_value"),  # past the tiny vocabulary's 100 tokens
     ("chat", {"response_format": {"type": "json_schema"}}, "response_format", "invalid_value"),
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
      "response_format.json_schema.schema", "invalid_value"),
@@ -507,6 +509,19 @@ def test_unsupported_or_invalid_field_is_400_naming_it(client, route, fields, pa
     response = (complete if route == "completions" else chat)(client, **fields)
     assert_openai_error(response, 400, code, param)
     assert metric(client, "specdec_generated_tokens_total") == before  # nothing was decoded
+
+
+def test_logit_bias_is_applied_as_openai_applies_it(client):
+    """OpenAI's logit_bias ({token id: bias}): -100 keeps the greedy answer's commonest token out, on both routes;
+    100 all but forces a token even when sampling."""
+    plain = complete(client, max_tokens=12, temperature=0, logprobs=0).get_json()["choices"][0]
+    tokens = plain["logprobs"]["tokens"]
+    banned = max(set(tokens), key=tokens.count)
+    token_id = client.application.extensions["specdec"].tokenizer.convert_tokens_to_ids(banned)
+    biased = complete(client, max_tokens=12, temperature=0, logit_bias={str(token_id): -100}).get_json()
+    assert banned not in biased["choices"][0]["text"] and biased["choices"][0]["text"] != plain["text"]
+    forced = chat(client, max_tokens=5, temperature=1, seed=2, logit_bias={str(token_id): 100}).get_json()
+    assert forced["choices"][0]["message"]["content"] == banned * 5
 
 
 def test_missing_model_is_400(client):

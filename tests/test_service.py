@@ -300,6 +300,13 @@ def test_chunked_body_over_the_limit_is_413(client):
     ({"details": 1}, "details"),
     ({"stream": "true"}, "stream"),
     ({"max_tokens": 5}, "max_tokens"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
+    ({"logit_bias": {"100": 1}}, "logit_bias"),  # the tiny vocabulary has 100 tokens
+    ({"logit_bias": [5]}, "logit_bias"),
 ])
 def test_invalid_field_is_422_naming_it(client, body, field):
     body = {"prompt": PROMPT, **body} if "prompt" not in body and body else body
@@ -499,6 +506,26 @@ def test_greedy_equals_target_only_greedy(client, method, gamma):
     speculative = predict(client, temperature=0, max_new_tokens=50, method=method, gamma=gamma).get_json()
     assert speculative["text"] == target_only["text"]
     assert speculative["usage"] == target_only["usage"]
+
+
+def test_a_logit_bias_bans_and_favours_tokens_and_speculation_keeps_target_only_greedy(client):
+    """logit_bias: -100 on the token target-only greedy gives most keeps it out, and greedy speculative decoding
+    with the bias gives target-only's text with the same bias (streamed too)."""
+    plain = predict(client, temperature=0, max_new_tokens=30, method="target", details=True).get_json()
+    ids = [token["id"] for token in plain["tokens"]]
+    banned = max(set(ids), key=ids.count)
+    bias = {str(banned): -100}
+    target_only = predict(client, temperature=0, max_new_tokens=30, method="target", details=True,
+                          logit_bias=bias).get_json()
+    assert banned not in [token["id"] for token in target_only["tokens"]] and target_only["text"] != plain["text"]
+    for method, gamma in (("google", 4), ("deepmind", None)):
+        body = predict(client, temperature=0, max_new_tokens=30, method=method, gamma=gamma, logit_bias=bias)
+        assert body.get_json()["text"] == target_only["text"]
+    streamed = sse_events(predict(client, temperature=0, max_new_tokens=30, stream=True, logit_bias=bias))
+    assert "".join(event.get("text", "") for event in streamed) == target_only["text"]
+    favoured = predict(client, temperature=0.8, seed=3, max_new_tokens=20, details=True,
+                       logit_bias={str(banned): 100}).get_json()
+    assert all(token["id"] == banned for token in favoured["tokens"])
 
 
 @pytest.mark.parametrize("drafter, verification", [("lookup", "token"), ("hybrid", "block"), ("model", "block")])

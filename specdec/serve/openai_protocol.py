@@ -36,12 +36,14 @@ from .protocol import (
     DRAFTER_DESCRIPTION,
     IGNORE_EOS_CONSTRAINED,
     IGNORE_EOS_DESCRIPTION,
+    LOGIT_BIAS_DESCRIPTION,
     LOGPROBS_DESCRIPTION,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     SEED_DESCRIPTION,
     VERIFICATION_DESCRIPTION,
     HugeInteger,
+    LogitBias,
     Temperature,
     sampling_params,
     temperature_field,
@@ -233,8 +235,7 @@ class _Request(BaseModel):
                                   "not supported (only 0)") = None
     frequency_penalty: _no_op_only({"type": "number", "enum": [0]}, (0, 0.0),
                                    "not supported (only 0)") = None
-    logit_bias: _no_op_only({"type": "object", "maxProperties": 0}, ({},),
-                            "not supported (only an empty object)") = None
+    logit_bias: LogitBias | None = Field(None, description=LOGIT_BIAS_DESCRIPTION)
     # extensions, as in /predict
     top_k: int | None = Field(None, ge=0, description="extension: 0 keeps every token")
     gamma: int | None = Field(None, ge=1, description="extension: draft tokens proposed per round")

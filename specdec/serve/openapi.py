@@ -21,7 +21,8 @@ def _nullable(type_: str) -> dict:
 def openapi30(schema):
     """A pydantic (JSON Schema 2020-12) schema in OpenAPI 3.0's dialect: `anyOf [X, null]` becomes X with
     `nullable: true` (a $ref X wrapped in allOf), a numeric exclusiveMinimum/Maximum becomes minimum/maximum with a
-    boolean flag, `const` becomes a one-value enum, and the `title`s pydantic adds are dropped."""
+    boolean flag, `const` becomes a one-value enum, one patternProperties becomes additionalProperties (the keys'
+    pattern is in the field's description), and the `title`s pydantic adds are dropped."""
     if isinstance(schema, list):
         return [openapi30(item) for item in schema]
     if not isinstance(schema, dict):
@@ -37,6 +38,9 @@ def openapi30(schema):
     schema = {key: openapi30(value) for key, value in schema.items() if key != "title"}
     if "const" in schema:  # 3.0 has no const
         schema["enum"] = [schema.pop("const")]
+    patterns = schema.pop("patternProperties", None)
+    if patterns and len(patterns) == 1:  # 3.0 has no patternProperties: the values' schema stays, not the keys'
+        schema["additionalProperties"] = next(iter(patterns.values()))
     if schema.get("type") == "null":  # null only
         schema = {**{k: v for k, v in schema.items() if k != "type"}, "nullable": True, "enum": [None]}
     for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):

@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from ..errors import SpecDecError
 from ..params import (
     DRAFTERS,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MIN_TEMPERATURE,
     SEED_MAX,
@@ -63,6 +64,24 @@ CACHE_PROMPT_DESCRIPTION = ("start from the prompt cache (reuse what an earlier 
                             "bit whatever the cache holds, send false")
 LOGPROBS_DESCRIPTION = ("the target's log-probability of each token (log-softmax of its raw logits, before "
                         "temperature, top-k and top-p), with this many most likely alternatives")
+LOGIT_BIAS_DESCRIPTION = (f"{{token id: bias}} (ids as strings of digits, biases from {-MAX_LOGIT_BIAS:g} to "
+                          f"{MAX_LOGIT_BIAS:g}) added to the logits before temperature, top-k and top-p; "
+                          f"{-MAX_LOGIT_BIAS:g} bans a token. The output follows the biased target's distribution "
+                          f"exactly; logprobs stay the raw model's")
+
+
+def _token_ids(bias: dict[str, float]) -> dict[int, float]:
+    ids = {int(token): amount for token, amount in bias.items()}
+    if len(ids) < len(bias):
+        raise ValueError("a token id is given twice (with and without leading zeros)")
+    return ids
+
+
+# OpenAI's logit_bias, as /predict and the OpenAI routes take it: JSON's keys are strings, the engine's ids ints
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[0-9]{1,10}$")],
+         Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]],
+    AfterValidator(_token_ids)]
 
 
 def _not_tiny(value: float | None) -> float | None:
@@ -110,6 +129,7 @@ class PredictRequest(BaseModel):
     ignore_eos: bool | None = Field(None, description=IGNORE_EOS_DESCRIPTION)
     details: bool | None = Field(None, description="add the per-token list")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="add `logprobs`: " + LOGPROBS_DESCRIPTION)
+    logit_bias: LogitBias | None = Field(None, description=LOGIT_BIAS_DESCRIPTION)
     stream: bool | None = Field(None, description="answer with Server-Sent Events")
     response_format: ResponseFormat | None = Field(
         None, description="as OpenAI's: text, json_object (any JSON object) or json_schema")

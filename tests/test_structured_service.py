@@ -185,3 +185,15 @@ def test_ignore_eos_with_a_grammar_is_refused_before_decoding(client, path, body
     if status == 400:
         error = response.get_json()["error"]
         assert error["param"] == "ignore_eos" and "end-of-sequence" in error["message"]
+
+
+def test_a_logit_bias_under_a_grammar_acts_within_what_the_grammar_allows(client, service_tokenizer):
+    """The bias is added before the grammar's mask: banning the first letter of one choice leaves the other, and a
+    token the grammar forbids stays forbidden however it is favoured."""
+    a, b, z = (service_tokenizer.convert_tokens_to_ids(letter) for letter in "abz")
+    body = {"prompt": "Who is", "max_new_tokens": 10, "structured_outputs": {"choice": ["alpha", "beta"]}}
+    for seed in range(3):
+        for banned, answer in ((a, "beta"), (b, "alpha")):
+            reply = client.post("/predict", json={**body, "seed": seed, "logit_bias": {str(banned): -100,
+                                                                                       str(z): 100}}).get_json()
+            assert reply["text"] == answer, reply

@@ -396,6 +396,9 @@ class SpeculativeDecoder:
                 f"the prompt has {len(prompt)} tokens and leaves no room in the model context of "
                 f"{self.context_length} tokens", field="input_ids")
 
+        if params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:
+            raise SpecDecError(f"logit_bias: token {params.logit_bias[-1][0]} is not in the vocabulary of "
+                               f"{self.vocab_size} tokens", field="logit_bias")
         if grammar is not None and grammar.vocab_size != self.vocab_size:
             raise SpecDecError(f"the grammar was compiled for {grammar.vocab_size} tokens, the pair has "
                                f"{self.vocab_size}", field="grammar")
@@ -406,9 +409,6 @@ class SpeculativeDecoder:
         req = _Request(prompt, params, self.context_length, seed, set() if params.ignore_eos else eos,
                        self.vocab_size, cache_prompt=self.caches_prompt(params),
                        guide=None if grammar is None else grammar.start(eos))
-        if params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:
-            raise SpecDecError(f"logit_bias: token {params.logit_bias[-1][0]} is not in the vocabulary of "
-                               f"{self.vocab_size} tokens", field="logit_bias")
         warper = _Warper(params.temperature, params.top_k, params.top_p, self.vocab_size, params.logit_bias)
         return Stream(req, self._run(req, warper))
 

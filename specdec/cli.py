@@ -20,8 +20,10 @@ from .params import (
     DRAFTERS,
     LOOKUP_KEYS,
     MAX_GAMMA,
+    MAX_PENALTY,
     METHODS,
     MIN_TEMPERATURE,
+    REPETITION_PENALTY_BOUNDS,
     VERIFICATIONS,
     LookupSettings,
     SamplingParams,
@@ -143,6 +145,18 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
                         help="keep the k most likely tokens, 0 keeps all (default 20, as the earlier tool)")
     parser.add_argument("--top_p", type=_sampling_flag("top_p", float, "must be in (0, 1]"), default=0.9,
                         help="nucleus sampling mass (default 0.9, as the earlier tool)")
+    for name, what in (("presence_penalty", "subtracted from the logit of every token already generated"),
+                       ("frequency_penalty", "times a token's count among those generated, subtracted from its "
+                                             "logit")):
+        parser.add_argument(f"--{name}", type=_sampling_flag(name, float, f"must be a number from {-MAX_PENALTY:g} "
+                                                                          f"to {MAX_PENALTY:g}"),
+                            default=0.0, metavar="X", help=f"{what} (OpenAI's; default 0)")
+    low, high = REPETITION_PENALTY_BOUNDS
+    parser.add_argument("--repetition_penalty", type=_sampling_flag("repetition_penalty", float,
+                                                                    f"must be a number from {low:g} to {high:g}"),
+                        default=1.0, metavar="X", help="a token in the prompt or the output has a positive logit "
+                                                       "divided by X and a negative one multiplied (transformers'; "
+                                                       "default 1, none). Outputs follow the penalized target exactly")
     parser.add_argument("--chat", action="store_true", help="wrap the input in the target's chat template")
     constraint = parser.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", "--json_schema", dest="json_schema", metavar="FILE", default=None,
@@ -223,7 +237,9 @@ def sampling_params(args, method: str, seed: int, drafter: str | None = None) ->
     return SamplingParams(max_new_tokens=args.max_tokens, method=method, gamma=args.gamma,
                           temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
                           drafter=drafter or args.drafter, verification=args.verification,
-                          draft_confidence_threshold=args.draft_confidence_threshold)
+                          draft_confidence_threshold=args.draft_confidence_threshold,
+                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                          repetition_penalty=args.repetition_penalty)
 
 
 def decodings(args) -> list[tuple[str, str, str]]:

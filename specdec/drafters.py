@@ -119,11 +119,12 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, model: CachedModel, probs: Callable[[torch.Tensor], torch.Tensor],
+    def __init__(self, model: CachedModel, probs: Callable[..., torch.Tensor],
                  forward: Callable[[CachedModel, list[int]], torch.Tensor], confidence_threshold: float = 0.0,
                  greedy: bool = False):
         self.model = model
-        self.probs = probs  # logits -> the warped distribution, as for the target
+        # (logits, context=sequence) -> the warped distribution, as for the target (engine._Warper)
+        self.probs = probs
         self.forward = forward  # the request's timed forward: (model, new tokens) -> logits of the last one
         self.confidence_threshold = confidence_threshold
         # temperature 0 and a verification that reads tokens only (engine._verify_greedy): the argmax, no q
@@ -140,9 +141,9 @@ class ModelDrafter:
         if allowed is not None and not bool(torch.isfinite(masked).any()):
             return None
         if self.greedy:  # q would be the one-hot of this token, and a draw from it this token
-            q, token = None, self.probs.argmax(masked.unsqueeze(0))[0]
+            q, token = None, self.probs.argmax(masked.unsqueeze(0), context=seq)[0]
         else:
-            q = self.probs(masked)
+            q = self.probs(masked, context=seq)
             token = sample(q, generator)
         vocab = self.probs.vocab_size if q is None else q.size(-1)
         go_on = (self.confidence_threshold <= 0

@@ -34,7 +34,7 @@ from .params import (
 )
 from .prompt_cache import PromptCache, cache_length, reusable
 from .prompt_cache import crop as crop_cache
-from .sampling import TokenLogprobs, logit_bias_vector, logits_to_probs, mask_logits, sample, token_logprobs
+from .sampling import TokenLogprobs, logit_bias_vector, logits_to_probs, mask_logits, penalize, sample, token_logprobs
 from .stats import GenerationStats
 from .verification import accept_mask
 
@@ -345,25 +345,19 @@ class SpeculativeDecoder:
 
     def generate(self, input_ids, max_new_tokens: int = 64, method: str = "google", gamma: int | None = 4,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 eos_token_id=None, *, drafter: str = SamplingParams.drafter,
-                 verification: str = SamplingParams.verification,
-                 draft_confidence_threshold: float = SamplingParams.draft_confidence_threshold,
-                 logit_bias=None, params: SamplingParams | None = None,
-                 grammar: CompiledGrammar | None = None) -> GenerationResult:
+                 eos_token_id=None, *, params: SamplingParams | None = None, grammar: CompiledGrammar | None = None,
+                 **sampling) -> GenerationResult:
         """Decode up to max_new_tokens after input_ids. gamma=None chooses the draft length adaptively.
 
-        drafter: "model" (the draft model), "lookup" (prompt lookup) or "hybrid" (lookup where it matches, the
-        model elsewhere); verification: "token" or "block"; draft_confidence_threshold: the draft model ends its
-        run after a token it gave a probability below this (0: never); logit_bias: {token id: bias} added to the
-        logits before temperature, top-k and top-p (SamplingParams). `params`, if given, is used instead of the
-        sampling keywords (max_new_tokens .. seed, drafter, verification, draft_confidence_threshold, logit_bias). `grammar`
+        `sampling`: any other SamplingParams field by its name, e.g. drafter ("model", "lookup" or "hybrid"),
+        verification ("token" or "block"), draft_confidence_threshold, logit_bias ({token id: bias}),
+        presence_penalty, frequency_penalty, repetition_penalty, logprobs, ignore_eos (SamplingParams says what
+        each does). `params`, if given, is used instead of the sampling keywords. `grammar`
         (grammar.GrammarCompiler.compile's) constrains the output: the target's distribution with the tokens the
         grammar forbids removed, at every position, before temperature, top-k and top-p."""
         stream = self.stream(input_ids, max_new_tokens=max_new_tokens, method=method, gamma=gamma,
                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-                             drafter=drafter, verification=verification,
-                             draft_confidence_threshold=draft_confidence_threshold, logit_bias=logit_bias,
-                             params=params, grammar=grammar)
+                             params=params, grammar=grammar, **sampling)
         while True:
             try:
                 next(stream)
@@ -372,11 +366,8 @@ class SpeculativeDecoder:
 
     def stream(self, input_ids, max_new_tokens: int = 64, method: str = "google", gamma: int | None = 4,
                temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-               eos_token_id=None, *, drafter: str = SamplingParams.drafter,
-               verification: str = SamplingParams.verification,
-               draft_confidence_threshold: float = SamplingParams.draft_confidence_threshold,
-               logit_bias=None, params: SamplingParams | None = None,
-               grammar: CompiledGrammar | None = None) -> Stream:
+               eos_token_id=None, *, params: SamplingParams | None = None, grammar: CompiledGrammar | None = None,
+               **sampling) -> Stream:
         """Like `generate`, but yields each round's committed tokens as a Chunk and returns the GenerationResult.
 
         Arguments are checked here, before decoding starts. `send("stop")` ends decoding with finish_reason
@@ -384,10 +375,12 @@ class SpeculativeDecoder:
         """
         prompt = self._prompt(input_ids)
         if params is None:
-            params = SamplingParams(max_new_tokens=max_new_tokens, method=method, gamma=gamma,
-                                    temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, drafter=drafter,
-                                    verification=verification, draft_confidence_threshold=draft_confidence_threshold,
-                                    logit_bias=logit_bias)
+            unknown = sorted(set(sampling) - set(SamplingParams.field_names()))
+            if unknown:
+                raise SpecDecError(f"unknown sampling argument {unknown[0]!r}", field=unknown[0])
+            params = SamplingParams(**{"max_new_tokens": max_new_tokens, "method": method, "gamma": gamma,
+                                       "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
+                                       **sampling})
         elif not isinstance(params, SamplingParams):
             raise SpecDecError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
         seed = int.from_bytes(os.urandom(8), "little") >> 1 if params.seed is None else params.seed % 2**64
@@ -409,7 +402,7 @@ class SpeculativeDecoder:
         req = _Request(prompt, params, self.context_length, seed, set() if params.ignore_eos else eos,
                        self.vocab_size, cache_prompt=self.caches_prompt(params),
                        guide=None if grammar is None else grammar.start(eos))
-        warper = _Warper(params.temperature, params.top_k, params.top_p, self.vocab_size, params.logit_bias)
+        warper = _Warper.for_request(params, self.vocab_size, len(prompt))
         return Stream(req, self._run(req, warper))
 
     def caches_prompt(self, params: SamplingParams) -> bool:
@@ -481,8 +474,8 @@ class SpeculativeDecoder:
             logits = req.forward(role, model, req.ids[model.length:]) if req.prefilled(role) \
                 else req.prefill(role, model)
             allowed = None if req.guide is None else req.guide.allowed()
-            token = probs.argmax(logits[-1:], allowed)[0] if probs.greedy else \
-                sample(probs(logits[-1], allowed), req.generator)
+            token = probs.argmax(logits[-1:], allowed, req.ids)[0] if probs.greedy else \
+                sample(probs(logits[-1], allowed, req.ids), req.generator)
             req.rounds += 1
             if (yield req.commit([token], ["target"], logits[-1:])) == "stop":
                 req.finish_reason = "stop"
@@ -535,10 +528,10 @@ class SpeculativeDecoder:
 
             # 3. keep a prefix of the proposals, then draw the next token (resampled, or the bonus after all k)
             if self._greedy(probs):
-                accepted, next_token = self._verify_greedy(proposal, probs.argmax(logits, self._masks(req, proposal,
-                                                                                                       k + 1)))
+                choices = probs.argmax(logits, self._masks(req, proposal, k + 1), req.ids, proposal.tokens)
+                accepted, next_token = self._verify_greedy(proposal, choices)
             else:
-                p = probs(logits, self._masks(req, proposal, k + 1))
+                p = probs(logits, self._masks(req, proposal, k + 1), req.ids, proposal.tokens)
                 accepted, next_probs = self._verify(req, proposal, p, lambda i: generator)
                 next_token = sample(next_probs, generator)
             chunk = req.commit(proposal.tokens[:accepted] + [next_token], self._sources(proposal, accepted, k),
@@ -590,13 +583,13 @@ class SpeculativeDecoder:
             k = len(proposal)
             if k:
                 logits = self._score(req, target, proposal.tokens[:-1])
-                p = probs(logits, self._masks(req, proposal, k))
+                p = probs(logits, self._masks(req, proposal, k), req.ids, proposal.tokens[:-1])
                 # no bonus row (all k accepted ends the round): a zero row stands in for it, never drawn from
                 accepted, next_probs = self._verify(req, proposal, torch.cat((p, p.new_zeros(1, p.size(-1)))),
                                                     generator_at)
             else:  # nothing proposed: the target draws this position's token alone
                 logits = self._score(req, target, [])
-                p = probs(logits, self._masks(req, proposal, 1))
+                p = probs(logits, self._masks(req, proposal, 1), req.ids)
                 accepted, next_probs = 0, p[0]
             tokens = proposal.tokens[:accepted]
             if accepted < k or not k:
@@ -625,7 +618,7 @@ class SpeculativeDecoder:
         before = dict(req.seconds), dict(req.forwards)
         proposal = Proposal()
         logits = self._score(req, target, [])
-        p = probs(logits, self._masks(req, proposal, 1))
+        p = probs(logits, self._masks(req, proposal, 1), req.ids)
         chunk = req.commit([sample(p[0], generator)], self._sources(proposal, 0, 0), logits)
         return (yield self._end_round(req, drafter, target, chunk, proposal, 0, 1, before))
 
@@ -729,34 +722,53 @@ class SpeculativeDecoder:
 
 class _Warper:
     """Logits -> the distribution sampled from, identical for draft and target (and the baselines): a request's
-    logit bias added, a grammar's mask, then temperature, top-k and top-p."""
+    logit bias added, its penalties applied (at the sequence each row follows: `context`), a grammar's mask, then
+    temperature, top-k and top-p."""
 
     def __init__(self, temperature: float, top_k: int, top_p: float, vocab_size: int,
-                 logit_bias: tuple[tuple[int, float], ...] | None = None):
+                 logit_bias: tuple[tuple[int, float], ...] | None = None,
+                 penalties: tuple[float, float, float] = (0.0, 0.0, 1.0), prompt_len: int = 0):
         self.temperature, self.top_k, self.top_p, self.vocab_size = temperature, top_k, top_p, vocab_size
         self.logit_bias = logit_bias
         self._bias: dict[tuple, torch.Tensor] = {}  # the bias as a vector, by (device, logits' size)
+        self.penalties = penalties  # (presence, frequency, repetition): sampling.penalize's
+        self.penalized = penalties != (0.0, 0.0, 1.0)
+        self.prompt_len = prompt_len  # the context's first prompt_len tokens are the prompt
 
-    def __call__(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    @classmethod
+    def for_request(cls, params: SamplingParams, vocab_size: int, prompt_len: int) -> "_Warper":
+        return cls(params.temperature, params.top_k, params.top_p, vocab_size, params.logit_bias,
+                   (params.presence_penalty, params.frequency_penalty, params.repetition_penalty), prompt_len)
+
+    def __call__(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, context: list[int] | None = None,
+                 proposed: list[int] = ()) -> torch.Tensor:
         """(..., V') logits -> (..., V) probabilities; `allowed`, a grammar's (..., V) mask, removes the tokens it
-        forbids first."""
-        return logits_to_probs(self._masked(logits, allowed), self.temperature, self.top_k, self.top_p)
+        forbids first. Row i follows `context` and the first i tokens `proposed` (read under a penalty only)."""
+        return logits_to_probs(self._masked(logits, allowed, context, proposed), self.temperature, self.top_k,
+                               self.top_p)
 
     @property
     def greedy(self) -> bool:
         """Temperature 0: every distribution is the one-hot of its argmax, and a draw from it is that argmax."""
         return self.temperature == 0
 
-    def argmax(self, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> list[int]:
+    def argmax(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, context: list[int] | None = None,
+               proposed: list[int] = ()) -> list[int]:
         """(n, V') logits -> each row's token under greedy decoding: the argmax of what `__call__` would make a
         one-hot of, which is also what `sample` draws from that one-hot."""
-        return self._masked(logits, allowed).argmax(dim=-1).tolist()
+        return self._masked(logits, allowed, context, proposed).argmax(dim=-1).tolist()
 
-    def _masked(self, logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    def _masked(self, logits: torch.Tensor, allowed: torch.Tensor | None, context: list[int] | None = None,
+                proposed: list[int] = ()) -> torch.Tensor:
         logits = logits[..., : self.vocab_size]
         if self.logit_bias:  # added in float32, before the mask and the warpers (as a logits processor is)
             key = (logits.device, logits.size(-1))
             if key not in self._bias:
                 self._bias[key] = logit_bias_vector(self.logit_bias, logits.size(-1), logits.device)
             logits = logits.float() + self._bias[key]
+        if self.penalized:
+            if context is None:
+                raise RuntimeError("a penalized request's logits need the sequence they follow")
+            rows = logits.reshape(-1, logits.size(-1))
+            logits = penalize(rows, context + list(proposed), self.prompt_len, *self.penalties).reshape(logits.shape)
         return logits if allowed is None else mask_logits(logits, allowed)

@@ -21,6 +21,8 @@ MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32; 0 
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # seeds are taken modulo 2**64
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's bound): -100 bans a token, 100 all but forces it
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's bound)
+REPETITION_PENALTY_BOUNDS = (0.01, 100.0)  # 1 is none; the bounds keep a divided logit far inside float32
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,14 @@ class SamplingParams:
     temperature, top-k and top-p, so the output follows the biased target's distribution exactly; given as a
     mapping, kept as ((id, bias), ...) sorted by id. Ids must be below the vocabulary's size (checked by the
     engine). Log-probabilities stay the raw model's.
+
+    `presence_penalty` and `frequency_penalty` (OpenAI's, vLLM's rule) subtract from a token's logit
+    presence_penalty if it occurs among the tokens generated so far, plus frequency_penalty times its count there;
+    `repetition_penalty` (transformers' and vLLM's; 1 is none) divides a positive logit of a token seen in the
+    prompt or the output by it and multiplies a negative one. Applied after the logit bias, before the grammar's
+    mask, temperature, top-k and top-p, to every row at the sequence it follows (a verification row's counts
+    include the proposals before it), for the target and the draft alike: the output follows the penalized
+    target's distribution exactly. Log-probabilities stay the raw model's.
     """
 
     max_new_tokens: int = 64
@@ -70,6 +80,9 @@ class SamplingParams:
     cache_prompt: bool = True
     ignore_eos: bool = False
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         for name, allowed in (("method", METHODS), ("drafter", DRAFTERS), ("verification", VERIFICATIONS)):
@@ -103,6 +116,18 @@ class SamplingParams:
             raise SpecDecError(f"grammar_drafter must be true or false, got {self.grammar_drafter!r}",
                                field="grammar_drafter")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        for name in ("presence_penalty", "frequency_penalty"):
+            penalty = _finite(getattr(self, name), name)
+            if abs(penalty) > MAX_PENALTY:
+                raise SpecDecError(f"{name} must be between {-MAX_PENALTY:g} and {MAX_PENALTY:g}, got {penalty:g}",
+                                   field=name)
+            object.__setattr__(self, name, penalty)
+        repetition = _finite(self.repetition_penalty, "repetition_penalty")
+        low, high = REPETITION_PENALTY_BOUNDS
+        if not low <= repetition <= high:
+            raise SpecDecError(f"repetition_penalty must be between {low:g} and {high:g} (1 is none), got "
+                               f"{repetition:g}", field="repetition_penalty")
+        object.__setattr__(self, "repetition_penalty", repetition)
         object.__setattr__(self, "draft_confidence_threshold", threshold)
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
@@ -110,6 +135,11 @@ class SamplingParams:
     @property
     def speculative(self) -> bool:
         return self.method in SPECULATIVE_METHODS
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty depends on the tokens so far (presence, frequency or repetition)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
     def replace(self, **changes) -> "SamplingParams":
         """A copy with some fields changed (and checked again)."""

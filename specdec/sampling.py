@@ -94,6 +94,46 @@ def logit_bias_vector(bias: Sequence[tuple[int, float]], size: int, device=None)
     return vector
 
 
+def penalize(logits: torch.Tensor, context: Sequence[int], prompt_len: int, presence: float = 0.0,
+             frequency: float = 0.0, repetition: float = 1.0) -> torch.Tensor:
+    """The penalties that depend on the tokens so far, on (n, V') logits whose row i is the distribution after
+    context[: len(context) - n + 1 + i] (the last row's after the whole context; the rows before it after one
+    token fewer each, as a verification's rows follow the proposals), context[:prompt_len] being the prompt.
+    Returns float32 logits.
+
+    vLLM's rules, in its order: repetition (transformers' RepetitionPenaltyLogitsProcessor: a token seen in the
+    prompt or the output has a positive logit divided by `repetition`, a negative one multiplied), then
+    `frequency` times the token's count in the output and `presence` if it occurs there at all, subtracted
+    (OpenAI's). Only the tokens seen are touched, each row's by elementwise operations on its own logits, so a row
+    comes out the same to the bit whatever rows are computed with it; ids at or past V' (a draft with fewer
+    logits) are left out."""
+    rows, size = logits.shape
+    first = len(context) - rows + 1  # the length of what row 0 follows
+    if first < prompt_len:
+        raise ValueError(f"{rows} rows after {len(context)} tokens would start inside the {prompt_len}-token prompt")
+    start = 0 if repetition != 1 else prompt_len  # the prompt's tokens matter to the repetition penalty only
+    out = logits.float()
+    if len(context) <= start:
+        return out
+    ids, inverse = torch.unique(torch.tensor(context[start:], dtype=torch.long), return_inverse=True)
+    width = len(ids)
+    # each row's occurrences: those in what row 0 follows, then one more per row for the token before it
+    steps = torch.nn.functional.one_hot(inverse[first - start:], width).cumsum(0)
+    later = torch.cat((steps.new_zeros(1, width), steps))  # (rows, width)
+    generated = torch.bincount(inverse[prompt_len - start: first - start], minlength=width) + later
+    kept = ids < size
+    index = ids[kept].to(out.device).expand(rows, -1)
+    values = out.gather(1, index)
+    if repetition != 1:
+        seen = (torch.bincount(inverse[: first - start], minlength=width) + later)[:, kept] > 0
+        values = torch.where(seen.to(out.device),
+                             torch.where(values > 0, values / repetition, values * repetition), values)
+    if presence or frequency:
+        counts = generated[:, kept].to(out.device, torch.float32)
+        values = values - (counts * frequency + (counts > 0).float() * presence)
+    return out.scatter(1, index, values)
+
+
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """A grammar's mask on (..., V') logits: (..., V) with every token `allowed` ((..., V) bool, V <= V') does not
     allow at -inf, so the warpers and the softmax after it see the allowed tokens only."""

@@ -77,6 +77,16 @@ def test_greedy_speculative_output_is_the_targets_greedy_text(pair_args, capsys)
     assert texts["target"]
 
 
+def test_penalty_flags_change_the_text_and_keep_greedy_equivalence(pair_args, capsys):
+    assert main(pair_args + ["--temperature", "0", "-M", "24"]) == 0
+    plain = completions(capsys.readouterr().out)
+    assert main(pair_args + ["--temperature", "0", "-M", "24", "--presence_penalty", "0.5", "--frequency_penalty",
+                             "1.5", "--repetition_penalty", "1.2"]) == 0
+    texts = completions(capsys.readouterr().out)
+    assert texts["target"] != plain["target"]
+    assert all(texts[label] == texts["target"] for label in ("google", "deepmind", "google+lookup", "google+hybrid"))
+
+
 @pytest.mark.parametrize("drafter", ["lookup", "hybrid"])
 def test_drafter_and_block_verification_flags_keep_greedy_equivalence(pair_args, capsys, drafter):
     common = pair_args + ["--temperature", "0", "-M", "24", "--input", "abcabcabcabc", "-v"]
@@ -159,6 +169,9 @@ def test_benchmark_prints_speedup_over_target(pair_args, capsys):
     (["--temperature", "-1"], "temperature"),
     (["--top_p", "0"], "top_p"),
     (["--top_p", "1.5"], "top_p"),
+    (["--presence_penalty", "3"], "--presence_penalty"),
+    (["--frequency_penalty", "lots"], "--frequency_penalty"),
+    (["--repetition_penalty", "0"], "--repetition_penalty"),
     (["-M", "0"], "max_tokens"),
     (["--method", "beam"], "method"),
     (["--drafter", "ngram"], "drafter"),

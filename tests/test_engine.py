@@ -87,6 +87,33 @@ def test_greedy_with_a_logit_bias_equals_target_greedy_with_it(arch):
     assert error.value.field == "logit_bias"
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("penalties", [{"presence_penalty": 0.8}, {"frequency_penalty": 0.5},
+                                       {"repetition_penalty": 1.4},
+                                       {"presence_penalty": -0.5, "frequency_penalty": 1.0, "repetition_penalty": 0.8}])
+def test_greedy_with_penalties_equals_target_greedy_with_them(arch, penalties):
+    """presence, frequency and repetition penalties under greedy decoding: every drafter, rule and variant (the
+    short path and the general one) gives target-only's tokens under the same penalties, which change them; the
+    verification rows are penalized by the proposals before them, or the proposals accepted would differ."""
+    target = make_model(arch, seed=0, initializer_range=0.1)
+    decoder = SpeculativeDecoder(perturbed_copy(target, noise=0.3), target)
+    plain = decoder.generate(PROMPT, max_new_tokens=40, method="target", temperature=0).token_ids
+    reference = decoder.generate(PROMPT, max_new_tokens=40, method="target", temperature=0, **penalties).token_ids
+    assert reference != plain
+    accepted = 0
+    for drafter in DRAFTERS:
+        for rule in VERIFICATIONS:
+            for method, gamma in (("google", 1), ("deepmind", 4), ("google", None)):
+                result = decoder.generate(PROMPT, max_new_tokens=40, method=method, gamma=gamma, temperature=0,
+                                          drafter=drafter, verification=rule, **penalties)
+                assert result.token_ids == reference, (arch, drafter, rule, method, gamma)
+                accepted += result.stats.accepted
+    assert accepted > 0
+    general = general_path(SpeculativeDecoder(decoder.draft_model, decoder.target_model))
+    assert general.generate(PROMPT, max_new_tokens=40, method="google", temperature=0,
+                            **penalties).token_ids == reference
+
+
 def general_path(decoder):
     """A round observer: the engine then verifies greedy rounds as sampled ones are (q and p built, uniforms
     drawn, the rule applied) instead of by its greedy short path."""
@@ -422,6 +449,10 @@ def test_caches_hold_committed_prefix_after_each_round(pair, monkeypatch):
     ({"logit_bias": {5: 100.5}}, "logit_bias"), ({"logit_bias": {5: float("inf")}}, "logit_bias"),
     ({"logit_bias": {True: 1.0}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
     ({"logit_bias": [(5, 1.0), (5, 2.0)]}, "logit_bias"), ({"logit_bias": {5: "1"}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"presence_penalty": "1"}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"), ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 101}, "repetition_penalty"),
+    ({"repetition_penalty": True}, "repetition_penalty"), ({"no_such_knob": 1}, "no_such_knob"),
 ])
 def test_bad_arguments_raise_clear_error(decoder, kwargs, field):
     with pytest.raises(SpecDecError) as err:
@@ -613,7 +644,7 @@ def test_draft_model_ends_its_run_after_a_token_it_is_unsure_of():
     for threshold, expected in ((0.0, [1, 2, 3, 4]), (0.5, [1, 2, 3]), (0.85, [1, 2]), (0.95, [1]),
                                 (0.29, [1, 2, 3, 4])):
         forward.calls = 0
-        drafter = ModelDrafter(types.SimpleNamespace(length=0), lambda logits: logits_to_probs(logits, 0), forward,
+        drafter = ModelDrafter(types.SimpleNamespace(length=0), lambda logits, context=None: logits_to_probs(logits, 0), forward,
                                confidence_threshold=threshold)
         proposal = drafter.propose([0], gamma=4, limit=10, generator_at=lambda i: None)
         assert proposal.tokens == expected, threshold

@@ -28,7 +28,12 @@ import random
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from specdec import SpeculativeDecoder
 from specdec.cpu.linear import pack_linears, quantization_supported, quantize_linears
@@ -95,11 +100,14 @@ def llama_pair():
     return draft, target
 
 
-def exact_distribution(target, temperature, top_k, top_p, prompt=PROMPT, allowed=None, bias=None
+def exact_distribution(target, temperature, top_k, top_p, prompt=PROMPT, allowed=None, bias=None, penalties=None
                        ) -> dict[tuple, float]:
     """P(x1 x2 x3 | prompt) under the target with transformers' warpers, by enumeration (no cache). With
     `allowed` (a prefix's allowed next tokens), the tokens outside it are masked first, as a grammar does; with
-    `bias` ({token: amount}, OpenAI's logit_bias), the amounts are added to the logits before anything else."""
+    `bias` ({token: amount}, OpenAI's logit_bias), the amounts are added to the logits before anything else; with
+    `penalties` ({"presence_penalty": ..., ...}), after the bias: transformers' repetition penalty over prompt and
+    prefix, then OpenAI's frequency and presence penalties over the prefix, written out token by token."""
+    penalties = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, **(penalties or {})}
     warpers = [TemperatureLogitsWarper(temperature)]
     if top_k:
         warpers.append(TopKLogitsWarper(top_k))
@@ -112,6 +120,11 @@ def exact_distribution(target, temperature, top_k, top_p, prompt=PROMPT, allowed
             scores = target(input_ids=ids).logits[:, -1].float()
         for token, amount in (bias or {}).items():
             scores[:, token] += amount
+        if penalties["repetition_penalty"] != 1:
+            scores = RepetitionPenaltyLogitsProcessor(penalties["repetition_penalty"])(ids, scores)
+        for token in set(prefix):
+            scores[:, token] -= (penalties["frequency_penalty"] * prefix.count(token)
+                                 + penalties["presence_penalty"])
         if allowed is not None:
             forbidden = torch.ones(scores.shape[-1], dtype=torch.bool)
             forbidden[sorted(allowed(prefix))] = False
@@ -351,6 +364,70 @@ def test_a_logit_bias_on_the_draft_alone_fails_the_test(close_pair, monkeypatch)
     counts = draw(SpeculativeDecoder(draft, target), "google", SETTINGS["t1"], DRAFTER_SAMPLES, seed=19,
                   logit_bias=BIAS)
     assert fails_the_test(counts, exact_distribution(target, *SETTINGS["t1"], bias=BIAS), DRAFTER_SAMPLES)
+
+
+# --- penalties on the tokens so far -----------------------------------------------------------------------------
+
+# strong enough that the unpenalized target fails on the same counts; each penalty alone, then all three
+PENALTIES = {"presence": {"presence_penalty": 1.2}, "frequency": {"frequency_penalty": 0.9},
+             "repetition": {"repetition_penalty": 1.8},
+             "all": {"presence_penalty": -0.6, "frequency_penalty": 1.1, "repetition_penalty": 0.7},
+             "strongest": {"presence_penalty": 2.0, "frequency_penalty": 2.0}}  # OpenAI's bound: repeats all but banned
+# (penalties, drafter, rule, variant, setting, gamma): both rules and variants, every drafter, adaptive gamma
+PENALTY_RULES = [("presence", "model", "token", "google", "t1", 2),
+                 ("frequency", "model", "token", "deepmind", "t0.8-topk5-topp0.9", 2),
+                 ("repetition", "model", "block", "google", "t1", 2),
+                 ("all", "hybrid", "token", "deepmind", "t1", 2), ("all", "lookup", "block", "google", "t1", 2),
+                 ("all", "model", "token", "google", "t0.8-topk5-topp0.9", None),
+                 ("all", "hybrid", "block", "google", "t1", None), ("strongest", "model", "token", "google", "t1", 2)]
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("penalties, drafter, rule, variant, setting, gamma", PENALTY_RULES)
+def test_samples_with_penalties_follow_the_penalized_target(close_pair, monkeypatch, penalties, drafter, rule, variant,
+                                                            setting, gamma):
+    """presence, frequency and repetition penalties: the samples follow the target's distribution with each
+    position's logits penalized by the sequence before it (a verification row's by the proposals before it too),
+    for both rules and variants, every drafter and adaptive gamma (its lengths forced to change at random); the
+    unpenalized target fails the test on the same counts."""
+    draft, target = close_pair
+    if gamma is None:
+        lengths = random.Random(23)
+        monkeypatch.setattr("specdec.engine.AdaptiveGamma.choose", lambda self: lengths.randint(0, 3))
+    prompt, totals, chosen = prompt_for(drafter), {}, PENALTIES[penalties]
+    counts = draw(SpeculativeDecoder(draft, target), variant, SETTINGS[setting], DRAFTER_SAMPLES, gamma=gamma,
+                  seed=29, prompt=prompt, totals=totals, drafter=drafter, verification=rule, **chosen)
+    expected = exact_distribution(target, *SETTINGS[setting], prompt=prompt, penalties=chosen)
+    assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
+    assert fails_the_test(counts, exact_distribution(target, *SETTINGS[setting], prompt=prompt), DRAFTER_SAMPLES)
+    assert_drafters_served(drafter, totals, DRAFTER_SAMPLES)
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("drafter, gamma", [("model", 2), ("lookup", 2), ("model", None)])
+def test_penalties_blind_to_the_proposals_fail_the_test(close_pair, monkeypatch, drafter, gamma):
+    """The test has power against the classic mistake: every verification row penalized by the committed
+    sequence alone, blind to the proposals before it (the draft's rows stay right)."""
+    draft, target = close_pair
+    from specdec.engine import _Warper
+
+    masked = _Warper._masked
+
+    def blind(self, logits, allowed, context=None, proposed=()):  # each row as if it followed `context` alone
+        if not proposed:
+            return masked(self, logits, allowed, context)
+        return torch.cat([masked(self, logits[i:i + 1], None if allowed is None else allowed[i:i + 1], context)
+                          for i in range(len(logits))])
+
+    monkeypatch.setattr(_Warper, "_masked", blind)
+    if gamma is None:
+        lengths = random.Random(23)
+        monkeypatch.setattr("specdec.engine.AdaptiveGamma.choose", lambda self: lengths.randint(0, 3))
+    chosen = PENALTIES["strongest"]
+    counts = draw(SpeculativeDecoder(draft, target), "google", SETTINGS["t1"], DRAFTER_SAMPLES, gamma=gamma, seed=29,
+                  prompt=prompt_for(drafter), drafter=drafter, **chosen)
+    expected = exact_distribution(target, *SETTINGS["t1"], prompt=prompt_for(drafter), penalties=chosen)
+    assert fails_the_test(counts, expected, DRAFTER_SAMPLES)
 
 
 def fails_the_test(counts: dict, expected: dict, n: int) -> bool:

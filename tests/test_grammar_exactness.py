@@ -61,9 +61,11 @@ def allowed_after(prefix: tuple) -> set[int]:
     return {word[len(prefix)] for word in LANGUAGE if word[: len(prefix)] == prefix}
 
 
-def constrained_distribution(target, temperature, top_k, top_p, prompt=PROMPT) -> dict[tuple, float]:
-    """P(x1 x2 x3 | prompt) under the target with the grammar's mask, then transformers' warpers."""
-    return exact_distribution(target, temperature, top_k, top_p, prompt=prompt, allowed=allowed_after)
+def constrained_distribution(target, temperature, top_k, top_p, prompt=PROMPT, penalties=None) -> dict[tuple, float]:
+    """P(x1 x2 x3 | prompt) under the target with the grammar's mask, then transformers' warpers (after the
+    penalties on the tokens so far, where given)."""
+    return exact_distribution(target, temperature, top_k, top_p, prompt=prompt, allowed=allowed_after,
+                              penalties=penalties)
 
 
 def draw(decoder, grammar, method, settings, n, seed=0, prompt=PROMPT, totals=None, **kwargs) -> dict[tuple, int]:
@@ -117,6 +119,25 @@ def test_constrained_speculative_samples_follow_the_constrained_target(pair, gra
     assert bool(totals.get("grammar")) == forced  # the forced d (and g) were proposed and accepted, or never
     if drafter != "model":
         assert totals.get("lookup", 0) > 0
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("method, verification, drafter", [("google", "token", "hybrid"),
+                                                           ("deepmind", "block", "model")])
+def test_constrained_samples_with_penalties_follow_the_penalized_constrained_target(pair, grammar, method,
+                                                                                    verification, drafter):
+    """Penalties on the tokens so far under a constraint, the grammar's forced tokens proposed: the samples follow
+    the target penalized, then masked, then warped; the unpenalized constrained target fails on the same counts."""
+    from tests.test_exactness import PENALTIES, fails_the_test
+
+    draft, target = pair
+    prompt, penalties = LOOKUP_PROMPT, PENALTIES["all"]
+    counts = draw(SpeculativeDecoder(draft, target), grammar, method, SETTINGS["t1"], DRAFTER_SAMPLES, seed=5,
+                  prompt=prompt, drafter=drafter, verification=verification, **penalties)
+    assert set(counts) <= LANGUAGE
+    expected = constrained_distribution(target, *SETTINGS["t1"], prompt=prompt, penalties=penalties)
+    assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
+    assert fails_the_test(counts, constrained_distribution(target, *SETTINGS["t1"], prompt=prompt), DRAFTER_SAMPLES)
 
 
 @pytest.mark.statistical

@@ -434,8 +434,11 @@ REFUSED = [  # (route, field values, param, code)
     ("chat", {"logprobs": 1}, "logprobs", "invalid_value"),
     ("chat", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "invalid_value"),
     ("chat", {"top_logprobs": 2}, "top_logprobs", "invalid_value"),  # without logprobs: true
-    ("completions", {"presence_penalty": 0.5}, "presence_penalty", "unsupported_value"),
-    ("chat", {"frequency_penalty": -1}, "frequency_penalty", "unsupported_value"),
+    ("completions", {"presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+    ("chat", {"frequency_penalty": -2.01}, "frequency_penalty", "invalid_value"),
+    ("chat", {"presence_penalty": "1"}, "presence_penalty", "invalid_value"),
+    ("completions", {"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
+    ("chat", {"repetition_penalty": 1000}, "repetition_penalty", "invalid_value"),
     ("chat", {"logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
     ("completions", {"logit_bias": {"abc": 1}}, "logit_bias.abc", "invalid_value"),
     ("chat", {"logit_bias": {"100": 1}}, "logit_bias", "invalid_value"),  # past the tiny vocabulary's 100 tokens
@@ -522,6 +525,19 @@ def test_logit_bias_is_applied_as_openai_applies_it(client):
     assert banned not in biased["choices"][0]["text"] and biased["choices"][0]["text"] != plain["text"]
     forced = chat(client, max_tokens=5, temperature=1, seed=2, logit_bias={str(token_id): 100}).get_json()
     assert forced["choices"][0]["message"]["content"] == banned * 5
+
+
+def test_penalties_apply_on_both_routes_and_greedy_speculation_gives_target_onlys_answer(client):
+    """presence_penalty and frequency_penalty (OpenAI's) and repetition_penalty (vLLM's extension) change the greedy
+    answer, and speculative decoding's greedy answer under them is target-only decoding's, token for token."""
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 1.5, "repetition_penalty": 1.2}
+    for send, text in ((complete, lambda body: body["choices"][0]["text"]),
+                       (chat, lambda body: body["choices"][0]["message"]["content"])):
+        plain = text(send(client, max_tokens=24, temperature=0).get_json())
+        penalized = text(send(client, max_tokens=24, temperature=0, **penalties).get_json())
+        alone = text(send(client, max_tokens=24, temperature=0, method="target", **penalties).get_json())
+        assert penalized == alone and penalized != plain
+        assert max(map(penalized.count, set(penalized))) < max(map(plain.count, set(plain)))  # fewer repeats
 
 
 def test_missing_model_is_400(client):

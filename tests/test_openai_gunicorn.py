@@ -242,9 +242,9 @@ def test_chat_logprobs_streamed_and_not(client, reference):
     (lambda c: c.completions.create(model="target", prompt=["p"] * 17), "prompt"),  # max_prompts_per_request
     (lambda c: c.completions.create(model="target", prompt=PROMPT, max_tokens=0), "max_tokens"),  # without echo
     (lambda c: c.completions.create(model="target", prompt=PROMPT, temperature=2.5), "temperature"),
-    (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, presence_penalty=0.5),
+    (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, presence_penalty=2.5),
      "presence_penalty"),
-    (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, frequency_penalty=1.0),
+    (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, frequency_penalty=-3.0),
      "frequency_penalty"),
     (lambda c: c.chat.completions.create(model="target", messages=MESSAGES, logprobs=True, top_logprobs=21),
      "top_logprobs"),

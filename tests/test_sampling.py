@@ -90,3 +90,43 @@ def test_a_temperature_past_float32s_range_samples_uniformly_over_what_is_not_ma
         torch.testing.assert_close(probs, torch.tensor([[1 / 3, 0.0, 1 / 3, 0.0, 1 / 3]]))
     generator = torch.Generator().manual_seed(0)
     assert {sample(logits_to_probs(logits[0], 6.1e307), generator) for _ in range(200)} == {0, 2, 4}
+
+
+@pytest.mark.parametrize("presence, frequency, repetition", [(0.7, 0.0, 1.0), (0.0, 1.3, 1.0), (0.0, 0.0, 1.6),
+                                                            (-0.4, 0.9, 0.6)])
+def test_penalties_match_transformers_repetition_and_openais_formula_row_by_row(presence, frequency, repetition):
+    """penalize on 4 rows, row i after the context's first len - 3 + i tokens: each row equals transformers'
+    RepetitionPenaltyLogitsProcessor over prompt and output, then OpenAI's frequency and presence penalties over
+    the output, written out; and the same bits as the row penalized alone (rows never mix). A token id past the
+    logits (a draft with fewer of them) is left out."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from specdec.sampling import penalize
+
+    prompt, output = [5, 9, 2, 9], [2, 7, 7, 30, 1, 7, 4]
+    context, rows, size = prompt + output, 4, 12
+    logits = torch.randn(rows, size, generator=torch.Generator().manual_seed(3)) * 3
+    logits[1, 3] = float("-inf")  # a masked token stays masked
+    got = penalize(logits, context, len(prompt), presence, frequency, repetition)
+    for i in range(rows):
+        seen = context[: len(context) - rows + 1 + i]
+        expected = logits[i: i + 1].clone()
+        if repetition != 1:
+            ids = torch.tensor([[t for t in seen if t < size]])
+            expected = RepetitionPenaltyLogitsProcessor(repetition)(ids, expected)
+        generated = seen[len(prompt):]
+        for token in set(generated) - {30}:
+            expected[0, token] -= frequency * generated.count(token) + presence
+        torch.testing.assert_close(got[i: i + 1], expected, rtol=0, atol=1e-6)
+        alone = penalize(logits[i: i + 1], seen, len(prompt), presence, frequency, repetition)
+        assert torch.equal(alone, got[i: i + 1])
+    assert got[1, 3] == float("-inf")
+    untouched = [t for t in range(size) if t not in context]
+    assert torch.equal(got[:, untouched], logits[:, untouched])
+
+
+def test_penalties_refuse_rows_that_would_start_inside_the_prompt():
+    from specdec.sampling import penalize
+
+    with pytest.raises(ValueError):
+        penalize(torch.zeros(3, 8), [1, 2, 3], 2, presence=1.0)

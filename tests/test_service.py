@@ -307,6 +307,10 @@ def test_chunked_body_over_the_limit_is_413(client):
     ({"logit_bias": {"5": 1, "05": 2}}, "logit_bias"),
     ({"logit_bias": {"100": 1}}, "logit_bias"),  # the tiny vocabulary has 100 tokens
     ({"logit_bias": [5]}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
 ])
 def test_invalid_field_is_422_naming_it(client, body, field):
     body = {"prompt": PROMPT, **body} if "prompt" not in body and body else body
@@ -526,6 +530,26 @@ def test_a_logit_bias_bans_and_favours_tokens_and_speculation_keeps_target_only_
     favoured = predict(client, temperature=0.8, seed=3, max_new_tokens=20, details=True,
                        logit_bias={str(banned): 100}).get_json()
     assert all(token["id"] == banned for token in favoured["tokens"])
+
+
+def test_penalties_cut_repeats_and_speculation_keeps_target_only_greedy(client):
+    """presence, frequency and repetition penalties: the greedy text repeats its commonest token less, and greedy
+    speculative decoding under them gives target-only's text under them (every drafter, both rules, streamed too)."""
+    penalties = {"presence_penalty": 0.5, "frequency_penalty": 1.5, "repetition_penalty": 1.2}
+    plain = predict(client, temperature=0, max_new_tokens=30, method="target", details=True).get_json()
+    target_only = predict(client, temperature=0, max_new_tokens=30, method="target", details=True,
+                          **penalties).get_json()
+    most = max((token["id"] for token in plain["tokens"]), key=[token["id"] for token in plain["tokens"]].count)
+    assert target_only["text"] != plain["text"]
+    assert sum(token["id"] == most for token in target_only["tokens"]) < sum(
+        token["id"] == most for token in plain["tokens"])
+    for method, gamma, drafter, verification in (("google", 4, "model", "token"), ("deepmind", None, "hybrid", "block"),
+                                                 ("google", 3, "lookup", "token")):
+        body = predict(client, temperature=0, max_new_tokens=30, method=method, gamma=gamma, drafter=drafter,
+                       verification=verification, **penalties)
+        assert body.get_json()["text"] == target_only["text"], (method, drafter, verification)
+    streamed = sse_events(predict(client, temperature=0, max_new_tokens=30, stream=True, **penalties))
+    assert "".join(event.get("text", "") for event in streamed) == target_only["text"]
 
 
 @pytest.mark.parametrize("drafter, verification", [("lookup", "token"), ("hybrid", "block"), ("model", "block")])

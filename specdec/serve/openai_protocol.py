@@ -42,8 +42,11 @@ from .protocol import (
     MAX_STOP_STRINGS,
     SEED_DESCRIPTION,
     VERIFICATION_DESCRIPTION,
+    FrequencyPenalty,
     HugeInteger,
     LogitBias,
+    PresencePenalty,
+    RepetitionPenalty,
     Temperature,
     sampling_params,
     temperature_field,
@@ -231,11 +234,10 @@ class _Request(BaseModel):
     user: str | None = Field(None, description="accepted and ignored")
     n: _no_op_only({"type": "integer", "enum": [1]}, (1,),
                    "only 1 is supported (one choice per request)") = None
-    presence_penalty: _no_op_only({"type": "number", "enum": [0]}, (0, 0.0),
-                                  "not supported (only 0)") = None
-    frequency_penalty: _no_op_only({"type": "number", "enum": [0]}, (0, 0.0),
-                                   "not supported (only 0)") = None
+    presence_penalty: PresencePenalty = None
+    frequency_penalty: FrequencyPenalty = None
     logit_bias: LogitBias | None = Field(None, description=LOGIT_BIAS_DESCRIPTION)
+    repetition_penalty: RepetitionPenalty = None  # an extension, as vLLM's
     # extensions, as in /predict
     top_k: int | None = Field(None, ge=0, description="extension: 0 keeps every token")
     gamma: int | None = Field(None, ge=1, description="extension: draft tokens proposed per round")

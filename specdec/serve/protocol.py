@@ -19,7 +19,9 @@ from ..params import (
     DRAFTERS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
+    MAX_PENALTY,
     MIN_TEMPERATURE,
+    REPETITION_PENALTY_BOUNDS,
     SEED_MAX,
     SEED_MIN,
     SERVED_METHODS,
@@ -84,6 +86,23 @@ LogitBias = Annotated[
     AfterValidator(_token_ids)]
 
 
+# the penalties on the tokens so far, as /predict and the OpenAI routes take them (SamplingParams checks them too)
+_PENALIZED = ("before temperature, top-k and top-p; the output follows the penalized target's distribution "
+              "exactly, logprobs stay the raw model's")
+PresencePenalty = Annotated[float | None, Field(
+    ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False,
+    description=f"subtracted from the logit of every token already generated (OpenAI's; default 0), {_PENALIZED}")]
+FrequencyPenalty = Annotated[float | None, Field(
+    ge=-MAX_PENALTY, le=MAX_PENALTY, allow_inf_nan=False,
+    description=f"times a token's count among those generated, subtracted from its logit (OpenAI's; default 0), "
+                f"{_PENALIZED}")]
+RepetitionPenalty = Annotated[float | None, Field(
+    ge=REPETITION_PENALTY_BOUNDS[0], le=REPETITION_PENALTY_BOUNDS[1], allow_inf_nan=False,
+    description=f"a token in the prompt or the output has a positive logit divided by this and a negative one "
+                f"multiplied (transformers' and vLLM's; default 1, none), before the other two penalties, "
+                f"{_PENALIZED}")]
+
+
 def _not_tiny(value: float | None) -> float | None:
     if value is not None and 0 < value < MIN_TEMPERATURE:
         raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
@@ -130,6 +149,9 @@ class PredictRequest(BaseModel):
     details: bool | None = Field(None, description="add the per-token list")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="add `logprobs`: " + LOGPROBS_DESCRIPTION)
     logit_bias: LogitBias | None = Field(None, description=LOGIT_BIAS_DESCRIPTION)
+    presence_penalty: PresencePenalty = None
+    frequency_penalty: FrequencyPenalty = None
+    repetition_penalty: RepetitionPenalty = None
     stream: bool | None = Field(None, description="answer with Server-Sent Events")
     response_format: ResponseFormat | None = Field(
         None, description="as OpenAI's: text, json_object (any JSON object) or json_schema")

@@ -356,9 +356,9 @@ def test_a_logit_bias_on_the_draft_alone_fails_the_test(close_pair, monkeypatch)
 
     masked = _Warper._masked
 
-    def draft_only(self, logits, allowed):  # the target's rows come in (k + 1, V), the draft's one at a time
-        return masked(self, logits, allowed) if logits.dim() == 1 else masked(
-            _Warper(self.temperature, self.top_k, self.top_p, self.vocab_size), logits, allowed)
+    def draft_only(self, logits, allowed, context=None, proposed=()):  # the target's rows: (k + 1, V); the draft's: (V,)
+        return masked(self, logits, allowed, context, proposed) if logits.dim() == 1 else masked(
+            _Warper(self.temperature, self.top_k, self.top_p, self.vocab_size), logits, allowed, context, proposed)
 
     monkeypatch.setattr(_Warper, "_masked", draft_only)
     counts = draw(SpeculativeDecoder(draft, target), "google", SETTINGS["t1"], DRAFTER_SAMPLES, seed=19,

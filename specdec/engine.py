@@ -25,12 +25,14 @@ from .models.memory import release_free_memory
 from .params import (
     ADAPTIVE_MAX_GAMMA,
     DRAFTERS,
+    GOLDEN,
     MAX_GAMMA,
     METHODS,
     MIN_TEMPERATURE,
     SPECULATIVE_METHODS,
     VERIFICATIONS,
     SamplingParams,
+    splitmix64,
 )
 from .prompt_cache import PromptCache, cache_length, reusable
 from .prompt_cache import crop as crop_cache
@@ -114,10 +116,7 @@ def _as_ids(value) -> list[int]:
 def position_generator(seed: int, position: int) -> torch.Generator:
     """A generator for the draws at one sequence position, derived from (seed, position) by splitmix64: the
     draws at a position then do not depend on how many were made before it."""
-    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) % 2**64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
-    return torch.Generator(device="cpu").manual_seed(z ^ (z >> 31))
+    return torch.Generator(device="cpu").manual_seed(splitmix64(seed + (position + 1) * GOLDEN))
 
 
 class _Request:

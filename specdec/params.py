@@ -150,6 +150,27 @@ class SamplingParams:
         return tuple(f.name for f in fields(cls))
 
 
+GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
+CHOICE_SEEDS = 0x6E5F63686F696365  # "n_choice": keeps choice seeds apart from the engine's per-position ones
+
+
+def splitmix64(z: int) -> int:
+    """splitmix64's output function of a 64-bit integer: a well-mixed 64-bit seed from a structured one."""
+    z %= 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of a request's index-th choice (OpenAI's n): the request's own for the first (so n = 1 answers as
+    before), for the others one derived from (seed, index), so the choices differ and the request repeats
+    exactly; None (a random seed each) for a request without one."""
+    if seed is None or index == 0:
+        return seed
+    return splitmix64((seed % 2**64 ^ CHOICE_SEEDS) + index * GOLDEN)
+
+
 def _integer(value, name: str, low: int, high: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecDecError(f"{name} must be an integer, got {value!r}", field=name)

@@ -375,6 +375,35 @@ def test_several_prompts_give_a_choice_each_in_order(client, service):
     assert not service.scheduler.busy
 
 
+def test_n_gives_n_choices_per_prompt_each_with_its_own_seed(client, service):
+    """n (OpenAI's): n choices per prompt, index prompt * n + j, decoded one after another. With a seed, choice 0 is
+    the n = 1 answer with that seed and the others draw from seeds derived from it: they differ, and the request
+    repeats exactly. Usage counts each prompt once; streamed, the choices come in order."""
+    sampled = {"temperature": 1.0, "max_tokens": 12, "seed": 7, "cache_prompt": False}
+    single = complete(client, **sampled).get_json()["choices"][0]["text"]
+    body = complete(client, n=3, **sampled).get_json()
+    texts = [choice["text"] for choice in body["choices"]]
+    assert [choice["index"] for choice in body["choices"]] == [0, 1, 2]
+    assert texts[0] == single and len(set(texts)) == 3
+    assert [c["text"] for c in complete(client, n=3, **sampled).get_json()["choices"]] == texts
+    assert body["usage"]["prompt_tokens"] == len(service.encode(PROMPT))
+    assert body["usage"]["completion_tokens"] == 36 == body["usage"]["total_tokens"] - body["usage"]["prompt_tokens"]
+    prompts = ["def add(a, b):", "Hello"]
+    greedy = complete(client, prompt=prompts, n=2, temperature=0, max_tokens=8).get_json()
+    alone = [complete(client, prompt=p, temperature=0, max_tokens=8).get_json()["choices"][0]["text"] for p in prompts]
+    assert [c["text"] for c in greedy["choices"]] == [alone[0], alone[0], alone[1], alone[1]]
+    assert greedy["usage"]["prompt_tokens"] == sum(len(service.encode(p)) for p in prompts)
+    replies = chat(client, n=2, **sampled).get_json()["choices"]
+    assert [r["index"] for r in replies] == [0, 1] and replies[0]["message"] != replies[1]["message"]
+    events = chunks(chat(client, n=2, stream=True, **sampled))
+    indices = [e["choices"][0]["index"] for e in events if e["choices"]]
+    assert indices == sorted(indices) and set(indices) == {0, 1}
+    for index, reply in enumerate(replies):
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                       if e["choices"] and e["choices"][0]["index"] == index) == reply["message"]["content"]
+    assert not service.scheduler.busy
+
+
 def test_lm_eval_harness_loglikelihood_request(client, service, pair):
     """What lm-evaluation-harness's local-completions sends for a multiple-choice task: token ids, echo,
     logprobs 1, max_tokens 1; it reads token_logprobs[context:-1] and whether each is the top one."""
@@ -426,8 +455,9 @@ def test_predict_logprobs_in_its_answer_and_its_stream(client):
 # --- refusals and errors ---------------------------------------------------------------------------------------
 
 REFUSED = [  # (route, field values, param, code)
-    ("completions", {"n": 2}, "n", "unsupported_value"),
-    ("chat", {"n": 3}, "n", "unsupported_value"),
+    ("completions", {"n": 17}, "n", "invalid_value"),  # more choices than max_prompts_per_request (16)
+    ("completions", {"n": 6, "prompt": ["a", "b", "c"]}, "n", "invalid_value"),  # 18 choices
+    ("chat", {"n": 0}, "n", "invalid_value"),
     ("completions", {"logprobs": 21}, "logprobs", "invalid_value"),
     ("completions", {"logprobs": -1}, "logprobs", "invalid_value"),
     ("completions", {"logprobs": True}, "logprobs", "invalid_value"),
@@ -463,7 +493,7 @@ REFUSED = [  # (route, field values, param, code)
     ("completions", {"echo": 1}, "echo", "invalid_value"),
     ("completions", {"best_of": 2}, "best_of", "unsupported_value"),
     ("completions", {"suffix": "}"}, "suffix", "unsupported_value"),
-    ("completions", {"n": True}, "n", "unsupported_value"),
+    ("completions", {"n": True}, "n", "invalid_value"),
     ("chat", {"modalities": ["audio"]}, "modalities", "unknown_parameter"),
     ("completions", {"max_new_tokens": 5}, "max_new_tokens", "unknown_parameter"),
     ("chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name",
@@ -630,13 +660,13 @@ def test_overload_is_503_with_retry_after(pair):
 def test_one_log_line_per_request(client, caplog):
     with caplog.at_level(logging.INFO, logger="specdec.serve"):
         chat(client, max_tokens=5, headers={"X-Request-ID": "v1-log-1"})
-        client.post("/v1/chat/completions", json={"model": "target", "messages": MESSAGES, "n": 2},
+        client.post("/v1/chat/completions", json={"model": "target", "messages": MESSAGES, "best_of": 2},
                     headers={"X-Request-ID": "v1-log-2"})
     (ok,) = [r.getMessage() for r in caplog.records if "request_id=v1-log-1 " in r.getMessage()]
     for part in ("POST /v1/chat/completions", "status=200", "completion_tokens=5", "method=google"):
         assert part in ok
     (refused,) = [r.getMessage() for r in caplog.records if "request_id=v1-log-2 " in r.getMessage()]
-    assert "status=400" in refused and "error=unsupported_value" in refused
+    assert "status=400" in refused and "error=unknown_parameter" in refused
 
 
 def test_acceptance_by_position_is_exported_from_start_up(pair):
@@ -679,7 +709,7 @@ def test_openapi_describes_the_v1_routes(pair):
         assert set(request["properties"]) == set(model.model_fields) and request["additionalProperties"] is False
         assert request["properties"]["max_tokens"]["maximum"] == 8 and request["properties"]["gamma"]["maximum"] == 6
         assert request["properties"]["model"]["enum"] == ["target"]
-        assert request["properties"]["n"]["enum"] == [1]
+        assert request["properties"]["n"]["maximum"] == 16
     assert schemas["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["maximum"] == 8
     assert "speculative_decoding_stats" in schemas["CompletionChoice"]["properties"]
     responses = document["paths"]["/v1/chat/completions"]["post"]["responses"]

@@ -235,7 +235,7 @@ def test_chat_logprobs_streamed_and_not(client, reference):
 # --- errors -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("call, param", [
-    (lambda c: c.completions.create(model="target", prompt=PROMPT, n=2), "n"),
+    (lambda c: c.completions.create(model="target", prompt=PROMPT, n=17), "n"),
     (lambda c: c.completions.create(model="target", prompt=PROMPT, logprobs=21), "logprobs"),
     (lambda c: c.completions.create(model="target", prompt=[1, 2, 100]), "prompt"),  # the vocabulary is 0..99
     (lambda c: c.completions.create(model="target", prompt=[]), "prompt"),

@@ -67,7 +67,7 @@ class Settings(BaseModel):
     prompt_cache_bytes: int | None = Field(ge=0)
     max_new_tokens_limit: int = Field(ge=1)
     max_prompt_tokens: int = Field(ge=1)
-    max_prompts_per_request: int = Field(ge=1, le=1024)  # /v1/completions: prompts in one request, each a choice
+    max_prompts_per_request: int = Field(ge=1, le=1024)  # /v1: choices in one request (prompts times n)
     queue_size: int = Field(ge=0)
     queue_timeout: float = Field(gt=0, allow_inf_nan=False)
     request_timeout: float = Field(gt=0, allow_inf_nan=False)

@@ -232,8 +232,10 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = Field(
         None, description="for a stream; an answer that is not streamed always has its usage")
     user: str | None = Field(None, description="accepted and ignored")
-    n: _no_op_only({"type": "integer", "enum": [1]}, (1,),
-                   "only 1 is supported (one choice per request)") = None
+    n: int | None = Field(None, ge=1, description="choices for each prompt (default 1), decoded one after another "
+                                                  "(with a seed, the first draws from it and the others from seeds "
+                                                  "derived from it); at most the server's max_prompts_per_request "
+                                                  "choices in all")
     presence_penalty: PresencePenalty = None
     frequency_penalty: FrequencyPenalty = None
     logit_bias: LogitBias | None = Field(None, description=LOGIT_BIAS_DESCRIPTION)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from flask import Blueprint, current_app, g, request
 
 from ..errors import SpecDecError
+from ..params import choice_seed
 from ..text import token_pieces
 from .errors import ApiError, to_api_error
 from .generation import Generation, sse
@@ -101,6 +102,7 @@ def completions():
     if len(prompts) > limit:
         raise ApiError(400, "invalid_value", f"prompt: at most {limit} prompts may be sent in one request, got "
                                              f"{len(prompts)}", "prompt")
+    check_choices(req, len(prompts), limit)
     grammar = svc.grammar(constrained(req, svc))
     prompt_ids = [svc.check_token_ids(prompt, "prompt") if isinstance(prompt, list)
                   else svc.encode(prompt, field_name="prompt") for prompt in prompts]
@@ -115,6 +117,7 @@ def chat_completions():
                                                         svc.settings.body_timeout))
     sampling = req.sampling(svc.settings)
     check_model(svc, req.model)
+    check_choices(req, 1, svc.settings.max_prompts_per_request)
     grammar = svc.grammar(constrained(req, svc))
     prompt_ids = svc.encode(messages=req.chat_messages(), field_name="messages", tools=req.template_tools())
     return answer(svc, req, [prompt_ids], sampling, "messages", chat=True, grammar=grammar)
@@ -129,6 +132,14 @@ def constrained(req, svc):
         raise ApiError(400, "invalid_value", error.message, error.field) from None
 
 
+def check_choices(req, prompts: int, limit: int) -> None:
+    """n choices for each prompt: at most `limit` (max_prompts_per_request) in all, or a 400 naming n."""
+    if req.n is not None and prompts * req.n > limit:
+        raise ApiError(400, "invalid_value", f"n: {req.n} choices for each of {prompts} prompt(s) make "
+                                             f"{prompts * req.n}; at most {limit} choices may be asked for in one "
+                                             f"request", "n")
+
+
 def check_model(svc, name: str) -> None:
     svc.require_ready(g.record.started)
     if name != served_model(svc):
@@ -138,11 +149,16 @@ def check_model(svc, name: str) -> None:
 
 def answer(svc, req, prompts: list[list[int]], sampling, prompt_field: str, chat: bool,
            echoes: list[str] | None = None, grammar=None):
-    """Fit each completion into the context, start decoding, answer as JSON or as a stream."""
+    """Fit each completion into the context, start decoding, answer as JSON or as a stream: n choices for each
+    prompt (req.n), choice j of a prompt with the j-th seed derived from the request's (params.choice_seed)."""
+    n = req.n or 1
     samplings = [sampling.replace(max_new_tokens=room(svc, ids, sampling.max_new_tokens,
                                                       req.requested_max_tokens is not None, req.max_tokens_field,
-                                                      prompt_field)) for ids in prompts]
-    choices = Choices(svc, g.record, prompts, samplings, req.stop_strings, echoes, grammar)
+                                                      prompt_field), seed=choice_seed(sampling.seed, j))
+                 for ids in prompts for j in range(n)]
+    prompts = [ids for ids in prompts for _ in range(n)]
+    echoes = None if echoes is None else [echo for echo in echoes for _ in range(n)]
+    choices = Choices(svc, g.record, prompts, samplings, req.stop_strings, echoes, grammar, n=n)
     reply = Reply(chat=chat, id=("chatcmpl-" if chat else "cmpl-") + g.record.request_id, created=int(time.time()),
                   model=served_model(svc), fingerprint=fingerprint(svc.models.info, svc.settings),
                   include_usage=req.include_usage, logprobs=sampling.logprobs is not None,
@@ -173,12 +189,14 @@ def finish_reason(generation: Generation, calls: bool = False) -> str:
 
 
 class Choices:
-    """A /v1 request's generations, one per prompt (a choice each), decoded one after another. Several prompts
-    hold the engine for the whole request; each generation starts when the one before it has ended."""
+    """A /v1 request's generations, a choice each (n in a row for each prompt: `prompts` holds each prompt n
+    times), decoded one after another. Several choices hold the engine for the whole request; each generation
+    starts when the one before it has ended."""
 
     def __init__(self, svc, record, prompts: list[list[int]], samplings: list, stop, echoes: list[str] | None,
-                 grammar=None):
+                 grammar=None, n: int = 1):
         self.svc, self.record, self.prompts, self.samplings, self.stop = svc, record, prompts, samplings, stop
+        self.n = n  # choices per prompt
         self.grammar = grammar  # the constraint every choice follows (grammar.CompiledGrammar), if any
         self.echoes = echoes  # with echo: each prompt's text, returned before its completion
         self.slot = svc.acquire(record) if len(prompts) > 1 else None
@@ -209,9 +227,14 @@ class Choices:
             self.slot.release()
 
     def usage(self) -> dict:
+        """Completion tokens of every choice; prompt tokens (and those the prompt cache served) once per prompt,
+        as OpenAI counts them with n: its first choice's."""
         usages = [generation.usage() for generation in self.generations]
-        usage = {key: sum(usage[key] for usage in usages) for key in usages[0]}
-        usage["prompt_tokens_details"] = {"cached_tokens": sum(g.cached_tokens() for g in self.generations)}
+        firsts = self.generations[:: self.n]
+        usage = {"prompt_tokens": sum(u["prompt_tokens"] for u in usages[:: self.n]),
+                 "completion_tokens": sum(u["completion_tokens"] for u in usages)}
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        usage["prompt_tokens_details"] = {"cached_tokens": sum(g.cached_tokens() for g in firsts)}
         return usage
 
     def echo(self, index: int) -> str:

@@ -230,6 +230,7 @@ def openai_document(settings: Settings, served_model: str | None, keyed: bool = 
             _limit(props[field], settings.max_new_tokens_limit, f"default {settings.max_new_tokens}, or less if "
                                                                 f"the context has less room")
         _limit(props["gamma"], settings.max_gamma)
+        _limit(props["n"], settings.max_prompts_per_request)
         if served_model is not None:
             props["model"]["enum"] = [served_model]
     for branch in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:

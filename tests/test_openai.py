@@ -745,7 +745,9 @@ def test_schemathesis_against_the_v1_routes(pair, path, mode):
             # tool_choice naming one of the tools), the document cannot state
             return False
         room = body.get("max_tokens") if body.get("max_tokens") is not None else body.get("max_completion_tokens")
-        return all(len(ids) + (1 if room is None else room) <= 256 for ids in prompts)
+        choices = len(prompts) * (request.n or 1)  # prompts times n: the document bounds each, not the product
+        return choices <= service.settings.max_prompts_per_request and all(
+            len(ids) + (1 if room is None else room) <= 256 for ids in prompts)
 
     statuses = []
 

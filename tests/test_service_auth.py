@@ -79,7 +79,8 @@ def test_the_key_is_checked_before_the_body(client):
 
 
 @pytest.mark.parametrize("method, path", [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                                          ("GET", "/v1/models"), ("GET", "/v1/no-such-route"), ("GET", "/v1")])
+                                          ("GET", "/v1/models"), ("GET", "/v1/no-such-route"), ("GET", "/v1"),
+                                          ("POST", "/tokenize"), ("POST", "/detokenize")])
 def test_v1_paths_need_a_key_and_answer_in_openai_shape(client, method, path):
     for headers, invalid in (({}, False), (bearer("wrong"), True)):
         response = client.open(path, method=method, json={"model": "m", "prompt": "x"}, headers=headers)

@@ -19,6 +19,7 @@ from .openai_protocol import is_openai_path, openai_error
 from .openai_routes import openai_routes
 from .routes import routes
 from .service import RequestRecord, Service
+from .tokenizer_routes import tokenizer_routes
 
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
@@ -70,5 +71,6 @@ def create_app(config: Mapping | None = None) -> Flask:
 
     app.register_blueprint(routes)
     app.register_blueprint(openai_routes)
+    app.register_blueprint(tokenizer_routes)
     service.start_loading()
     return app

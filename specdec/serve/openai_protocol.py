@@ -73,8 +73,11 @@ CODES = {"invalid_field": "invalid_value", "prompt_too_long": "context_length_ex
          "unauthorized": "invalid_api_key"}
 
 
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")  # vLLM's, beside /v1: they answer errors in OpenAI's shape too
+
+
 def is_openai_path(path: str) -> bool:
-    return path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/")
+    return path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/") or path in TOKENIZER_PATHS
 
 
 # --- requests --------------------------------------------------------------------------------------------------
@@ -431,14 +434,24 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def chat_messages(self) -> list[dict]:
-        return template_messages([message.for_template() for message in self.messages])
+        return conversation(self.messages)
 
     def template_tools(self) -> list[dict] | None:
         """The tools as the chat template takes them (none with tool_choice none)."""
-        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.calls_tools else None
+        return template_tools(self.tools) if self.calls_tools else None
 
 
-def parse(model: type[_Request], body: dict) -> _Request:
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    """Chat messages as the chat template takes them."""
+    return template_messages([message.for_template() for message in messages])
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """Tools as the chat template takes them."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
+def parse(model: type[BaseModel], body: dict) -> BaseModel:
     """Validate a /v1 body; a 400 naming the first bad field (OpenAI's `param`)."""
     try:
         return model.model_validate(body)
@@ -713,5 +726,60 @@ def fingerprint(info: dict, settings: Settings) -> str:
     return "fp_" + hashlib.sha256(json.dumps(served, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
-ANSWER_MODELS = (Completion, ChatCompletion, ChatCompletionChunk, ModelList, OpenAIErrorResponse)
+# --- vLLM's /tokenize and /detokenize ---------------------------------------------------------------------------
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's): the token ids this server feeds the model for a prompt, encoded as /v1/completions
+    encodes one, or for a conversation, as /v1/chat/completions encodes it (its tools included). The prompt
+    limits do not apply: the answer's count and max_model_len say whether a request would fit."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = Field(None, description="the served model's id, as /v1/models lists it (optional)")
+    prompt: Text | None = Field(None, description="text, encoded with the tokenizer's special tokens (as a "
+                                                  "/v1/completions prompt); give prompt or messages")
+    messages: list[ChatMessage] | None = Field(None, min_length=1, description="a conversation, through the chat "
+                                               "template with the assistant's turn opened (as /v1/chat/completions)")
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="with messages: the tools the chat "
+                                     "template writes into the prompt")
+    return_token_strs: bool | None = Field(None, description="also return each token as the vocabulary spells it")
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("invalid_value", "give prompt or messages (one of them)", {"param": "prompt"})
+        if self.tools is not None and self.messages is None:
+            raise PydanticCustomError("invalid_value", "tools go with messages", {"param": "tools"})
+        return self
+
+    def encoding(self) -> dict:
+        """svc.tokenize's arguments: the prompt, or the conversation and its tools."""
+        if self.messages is None:
+            return {"prompt": self.prompt}
+        return {"messages": conversation(self.messages), "tools": template_tools(self.tools), "field_name": "messages"}
+
+
+class TokenizeResponse(BaseModel):
+    count: int = Field(description="the number of tokens")
+    max_model_len: int | None = Field(description="the model context, in tokens (null: unbounded)")
+    tokens: list[int]
+    token_strs: list[str] | None = Field(description="with return_token_strs: each token as the vocabulary "
+                                                     "spells it")
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids to text, special tokens included (so it inverts /tokenize)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = Field(None, description="the served model's id, as /v1/models lists it (optional)")
+    tokens: list[Annotated[int, Field(ge=0)]] = Field(description="token ids of the served vocabulary")
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str = Field(description="the text of the tokens")
+
+
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+ANSWER_MODELS = (Completion, ChatCompletion, ChatCompletionChunk, ModelList, OpenAIErrorResponse, TokenizeResponse,
+                 DetokenizeResponse)

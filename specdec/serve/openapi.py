@@ -270,6 +270,16 @@ def openai_document(settings: Settings, served_model: str | None, keyed: bool = 
             **security,
         }}
 
+    def tokenizer(operation: str, summary: str, request: str, answer: str) -> dict:
+        return {"post": {
+            "operationId": operation, "summary": summary,
+            "requestBody": {"required": True, "content": ref(request)},
+            "responses": {"200": _ok(f"the {answer}", ref(answer)),
+                          **{code: errors[code] for code in ("400", "404", "408", "413", "415", "500")},
+                          "503": not_ready, **(unauthorized if keyed else {})},
+            **security,
+        }}
+
     paths = {
         "/v1/completions": create("createCompletion", "Complete a prompt (OpenAI-compatible)",
                                   "CompletionRequest", "Completion", "Completion"),
@@ -281,6 +291,10 @@ def openai_document(settings: Settings, served_model: str | None, keyed: bool = 
                                              "503": not_ready,
                                              **(unauthorized if keyed else {})},
                                **security}},
+        "/tokenize": tokenizer("tokenize", "The token ids a prompt or a conversation becomes (vLLM's)",
+                               "TokenizeRequest", "TokenizeResponse"),
+        "/detokenize": tokenizer("detokenize", "The text of token ids, special tokens included (vLLM's)",
+                                 "DetokenizeRequest", "DetokenizeResponse"),
         "/v1/models/{model}": {"get": {
             "operationId": "retrieveModel", "summary": "The served model by its id (OpenAI-compatible)",
             "parameters": [{"name": "model", "in": "path", "required": True,

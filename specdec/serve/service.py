@@ -126,6 +126,16 @@ class Service:
         with self.tokenizer_lock:
             return self.models.decode_text(token_ids)
 
+    def detokenize(self, token_ids: list[int]) -> str:
+        """Token ids to text with their special tokens (/detokenize: the inverse of /tokenize)."""
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """Each token as the vocabulary spells it (byte-level BPE's Ġ for a space, ...)."""
+        with self.tokenizer_lock:
+            return self.tokenizer.convert_ids_to_tokens(token_ids)
+
     def token_text(self, token_id: int) -> str:
         """One token's own text, as logprobs show it (special tokens included)."""
         with self.tokenizer_lock:
@@ -137,25 +147,32 @@ class Service:
 
     def check_token_ids(self, ids: list[int], field_name: str = "prompt") -> list[int]:
         """A token-id prompt, checked against the vocabulary and the length limits."""
+        return self._check_length(self.check_vocabulary(ids, field_name), 0, field_name)
+
+    def check_vocabulary(self, ids: list[int], field_name: str) -> list[int]:
+        """Token ids, each checked to be in the served vocabulary (a 422 naming the field)."""
         vocab = self.decoder.vocab_size
         bad = next((token for token in ids if not 0 <= token < vocab), None)
         if bad is not None:
             raise ApiError(422, "invalid_field", f"token id {bad} is out of the vocabulary (0 to {vocab - 1})",
                            field_name)
-        return self._check_length(ids, 0, field_name)
+        return ids
 
     def encode(self, prompt: str | None = None, chat: bool = False, messages: list[dict] | None = None,
                max_new_tokens: int = 0, field_name: str = "prompt", tools: list[dict] | None = None) -> list[int]:
         """The prompt's (or the chat messages', with the tools) token ids, checked against the length limits."""
+        return self._check_length(self.tokenize(prompt, chat, messages, field_name, tools), max_new_tokens, field_name)
+
+    def tokenize(self, prompt: str | None = None, chat: bool = False, messages: list[dict] | None = None,
+                 field_name: str = "prompt", tools: list[dict] | None = None) -> list[int]:
+        """The token ids `encode` checks, unchecked (/tokenize reports them whatever their length)."""
         with self.tokenizer_lock:
             if messages is not None or chat:
                 if not getattr(self.tokenizer, "chat_template", None):
                     raise ApiError(422, "invalid_field", "this model has no chat template",
                                    "chat" if messages is None else field_name)
-                ids = encode_messages(self.tokenizer, messages or [{"role": "user", "content": prompt}], tools)
-            else:
-                ids = encode_prompt(self.tokenizer, prompt)
-        return self._check_length(ids, max_new_tokens, field_name)
+                return encode_messages(self.tokenizer, messages or [{"role": "user", "content": prompt}], tools)
+            return encode_prompt(self.tokenizer, prompt)
 
     def _check_length(self, ids: list[int], max_new_tokens: int, field_name: str) -> list[int]:
         if not ids:

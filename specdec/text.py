@@ -33,6 +33,32 @@ def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=True)
 
 
+# fill-in-the-middle's (prefix, suffix, middle) tokens, as model families spell them: Qwen2.5-Coder's (and
+# CodeGemma's, DeepSeek-V2's), StarCoder's
+FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))
+
+
+def fim_token_ids(tokenizer) -> tuple[int, int, int] | None:
+    """The tokenizer's (prefix, suffix, middle) fill-in-the-middle token ids, or None if it has none."""
+    vocab = tokenizer.get_vocab()
+    for names in FIM_TOKENS:
+        if all(name in vocab for name in names):
+            return tuple(vocab[name] for name in names)
+    return None
+
+
+def encode_infill(tokenizer, prefix: str | list[int], suffix: str) -> list[int]:
+    """Token ids of a fill-in-the-middle prompt in prefix-suffix-middle order: <prefix> prefix <suffix> suffix
+    <middle>, the model then writing what goes between (the prefix as text, or as token ids). SpecDecError naming
+    `suffix` where the tokenizer has no such tokens."""
+    ids = fim_token_ids(tokenizer)
+    if ids is None:
+        raise SpecDecError("this model has no fill-in-the-middle tokens, so a suffix cannot be used",
+                           field="suffix")
+    head = prefix if isinstance(prefix, list) else tokenizer.encode(prefix, add_special_tokens=False)
+    return [ids[0], *head, ids[1], *tokenizer.encode(suffix, add_special_tokens=False), ids[2]]
+
+
 def decoder_of(tokenizer) -> Callable[[list[int]], str]:
     """token ids -> text as completions show it: special tokens skipped, spaces as the tokens have them.
 

@@ -331,7 +331,10 @@ class CompletionRequest(_Request):
                                                 "prompt tokens' logprobs, null for the first)")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description=LOGPROBS_DESCRIPTION + " (and the "
                                                                                                 "chosen token)")
-    suffix: _no_op_only({"type": "string", "enum": [""]}, ("",), "insertion is not supported (only an empty suffix)") = None
+    suffix: Text | None = Field(None, description="insertion: the text after the completion; the model fills in the "
+                                                  "middle with its fill-in-the-middle tokens (prefix, suffix, "
+                                                  "middle), where it has them (Qwen2.5-Coder, StarCoder); empty or "
+                                                  "null: a plain completion")
     best_of: _no_op_only({"type": "integer", "enum": [1]}, (1,), "only 1 is supported") = None
 
     @model_validator(mode="after")
@@ -339,6 +342,9 @@ class CompletionRequest(_Request):
         if self.max_tokens == 0 and not self.echo:
             raise PydanticCustomError("invalid_value", "max_tokens: 0 generates nothing; it is allowed with echo "
                                       "(to score the prompt)", {"param": "max_tokens"})
+        if self.suffix and self.echo:
+            raise PydanticCustomError("invalid_value", "echo cannot be combined with a suffix (insertion)",
+                                      {"param": "suffix"})
         return self
 
     @property

@@ -104,8 +104,12 @@ def completions():
                                              f"{len(prompts)}", "prompt")
     check_choices(req, len(prompts), limit)
     grammar = svc.grammar(constrained(req, svc))
-    prompt_ids = [svc.check_token_ids(prompt, "prompt") if isinstance(prompt, list)
-                  else svc.encode(prompt, field_name="prompt") for prompt in prompts]
+    if req.suffix:  # fill in the middle: each prompt before the suffix
+        prompt_ids = [svc.encode_infill(svc.check_vocabulary(prompt, "prompt") if isinstance(prompt, list) else prompt,
+                                        req.suffix) for prompt in prompts]
+    else:
+        prompt_ids = [svc.check_token_ids(prompt, "prompt") if isinstance(prompt, list)
+                      else svc.encode(prompt, field_name="prompt") for prompt in prompts]
     echoes = [prompt if isinstance(prompt, str) else svc.decode(prompt) for prompt in prompts] if req.echo else None
     return answer(svc, req, prompt_ids, sampling, "prompt", chat=False, echoes=echoes, grammar=grammar)
 

@@ -16,7 +16,7 @@ from flask import Response, jsonify, request
 from ..errors import SpecDecError
 from ..grammar import CompiledGrammar, Constraint
 from ..params import SamplingParams
-from ..text import encode_messages, encode_prompt, token_bytes
+from ..text import encode_infill, encode_messages, encode_prompt, token_bytes
 from ..threads import os_lock
 from .concurrency import EngineThread
 from .config import Settings
@@ -162,6 +162,16 @@ class Service:
                max_new_tokens: int = 0, field_name: str = "prompt", tools: list[dict] | None = None) -> list[int]:
         """The prompt's (or the chat messages', with the tools) token ids, checked against the length limits."""
         return self._check_length(self.tokenize(prompt, chat, messages, field_name, tools), max_new_tokens, field_name)
+
+    def encode_infill(self, prefix: str | list[int], suffix: str, field_name: str = "prompt") -> list[int]:
+        """A fill-in-the-middle prompt's token ids (text.encode_infill), checked against the length limits; a 400
+        naming `suffix` where the model has no fill-in-the-middle tokens."""
+        with self.tokenizer_lock:
+            try:
+                ids = encode_infill(self.tokenizer, prefix, suffix)
+            except SpecDecError as error:
+                raise ApiError(400, "unsupported_value", error.message, error.field) from None
+        return self._check_length(ids, 0, field_name)
 
     def tokenize(self, prompt: str | None = None, chat: bool = False, messages: list[dict] | None = None,
                  field_name: str = "prompt", tools: list[dict] | None = None) -> list[int]:

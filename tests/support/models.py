@@ -68,9 +68,10 @@ def perturbed_copy(model, noise: float = 0.02, seed: int = 1):
     return draft
 
 
-def make_tokenizer() -> PreTrainedTokenizerFast:
-    """A character-level tokenizer: 4 specials + printable ASCII + newline (100 tokens)."""
-    vocab = {token: i for i, token in enumerate(SPECIALS + CHARS)}
+def make_tokenizer(extra: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: 4 specials + printable ASCII + newline (100 tokens), then the `extra` tokens
+    (ids 100, 101, ...; fill-in-the-middle's, say)."""
+    vocab = {token: i for i, token in enumerate(SPECIALS + CHARS + list(extra))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()

@@ -394,11 +394,17 @@ class SpeculativeDecoder:
         if grammar is not None and grammar.vocab_size != self.vocab_size:
             raise SpecDecError(f"the grammar was compiled for {grammar.vocab_size} tokens, the pair has "
                                f"{self.vocab_size}", field="grammar")
+        if params.stop_token_ids and params.stop_token_ids[-1] >= self.vocab_size:
+            raise SpecDecError(f"stop_token_ids: token {params.stop_token_ids[-1]} is not in the vocabulary of "
+                               f"{self.vocab_size} tokens", field="stop_token_ids")
+        if grammar is not None and params.stop_token_ids:
+            raise SpecDecError("stop_token_ids cannot be combined with a grammar constraint, which decides where "
+                               "the output ends", field="stop_token_ids")
         if grammar is not None and params.ignore_eos:
             raise SpecDecError("ignore_eos cannot be combined with a grammar constraint, which ends with an "
                                "end-of-sequence token", field="ignore_eos")
         eos = eos_token_ids(self.target_model, eos_token_id=eos_token_id)
-        req = _Request(prompt, params, self.context_length, seed, set() if params.ignore_eos else eos,
+        req = _Request(prompt, params, self.context_length, seed, set(params.ending_tokens(eos)),
                        self.vocab_size, cache_prompt=self.caches_prompt(params),
                        guide=None if grammar is None else grammar.start(eos))
         warper = _Warper.for_request(params, self.vocab_size, len(prompt))

@@ -5,7 +5,7 @@ Method names and every bound live here; the HTTP request models and the settings
 """
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
 from .errors import SpecDecError
@@ -55,6 +55,10 @@ class SamplingParams:
     mapping, kept as ((id, bias), ...) sorted by id. Ids must be below the vocabulary's size (checked by the
     engine). Log-probabilities stay the raw model's.
 
+    `stop_token_ids` (vLLM's): more tokens that end decoding as an end-of-sequence token does (kept, finish_reason
+    "stop"), also with ignore_eos; kept as a sorted tuple. Ids must be below the vocabulary's size (checked by the
+    engine); not with a grammar constraint. They change where decoding ends, never a distribution.
+
     `presence_penalty` and `frequency_penalty` (OpenAI's, vLLM's rule) subtract from a token's logit
     presence_penalty if it occurs among the tokens generated so far, plus frequency_penalty times its count there;
     `repetition_penalty` (transformers' and vLLM's; 1 is none) divides a positive logit of a token seen in the
@@ -83,6 +87,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    stop_token_ids: Sequence[int] | None = None
 
     def __post_init__(self):
         for name, allowed in (("method", METHODS), ("drafter", DRAFTERS), ("verification", VERIFICATIONS)):
@@ -122,6 +127,7 @@ class SamplingParams:
                 raise SpecDecError(f"{name} must be between {-MAX_PENALTY:g} and {MAX_PENALTY:g}, got {penalty:g}",
                                    field=name)
             object.__setattr__(self, name, penalty)
+        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
         repetition = _finite(self.repetition_penalty, "repetition_penalty")
         low, high = REPETITION_PENALTY_BOUNDS
         if not low <= repetition <= high:
@@ -135,6 +141,11 @@ class SamplingParams:
     @property
     def speculative(self) -> bool:
         return self.method in SPECULATIVE_METHODS
+
+    def ending_tokens(self, eos) -> frozenset[int]:
+        """The tokens that end this request's decoding: the model's end-of-sequence ones `eos` (none with
+        ignore_eos) and stop_token_ids."""
+        return frozenset(() if self.ignore_eos else eos) | frozenset(self.stop_token_ids or ())
 
     @property
     def penalized(self) -> bool:
@@ -178,6 +189,17 @@ def _integer(value, name: str, low: int, high: int | None = None) -> int:
         bound = f">= {low}" if high is None else f"between {low} and {high}"
         raise SpecDecError(f"{name} must be {bound}, got {value}", field=name)
     return value
+
+
+def _token_ids(value, name: str) -> tuple[int, ...] | None:
+    """Token ids as a sorted tuple without repeats, None for none (or an empty list); SpecDecError naming `name`."""
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
+        raise SpecDecError(f"{name} must be a list of token ids, got {value!r}", field=name)
+    for token in value:
+        _integer(token, name, 0)
+    return tuple(sorted(set(value))) or None
 
 
 def _logit_bias(value) -> tuple[tuple[int, float], ...] | None:

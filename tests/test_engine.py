@@ -114,6 +114,32 @@ def test_greedy_with_penalties_equals_target_greedy_with_them(arch, penalties):
                             **penalties).token_ids == reference
 
 
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_stop_token_ids_end_decoding_where_the_output_first_has_one(decoder, temperature):
+    """stop_token_ids cut the same output where one of them first comes (kept, finish_reason stop), for every
+    drafter, rule and variant, greedy and sampled (the same seed draws the same tokens up to the cut), also with
+    ignore_eos; a token past the vocabulary is refused naming the field."""
+    kwargs = {"max_new_tokens": 30, "temperature": temperature, "seed": 4}
+    for drafter in DRAFTERS:
+        for rule in VERIFICATIONS:
+            for method, gamma in (("google", 4), ("deepmind", 2), ("target", 4)):
+                full = decoder.generate(PROMPT, method=method, gamma=gamma, drafter=drafter, verification=rule,
+                                        **kwargs).token_ids
+                stop = full[len(full) // 2]
+                cut = full[: full.index(stop) + 1]
+                for extra in ({}, {"ignore_eos": True}):
+                    result = decoder.generate(PROMPT, method=method, gamma=gamma, drafter=drafter,
+                                              verification=rule, stop_token_ids=[stop, decoder.vocab_size - 1],
+                                              **kwargs, **extra)
+                    assert result.token_ids == cut, (drafter, rule, method, extra)
+                    assert result.finish_reason == "stop"
+    with pytest.raises(SpecDecError) as error:
+        decoder.generate(PROMPT, stop_token_ids=[decoder.vocab_size])
+    assert error.value.field == "stop_token_ids"
+    assert SamplingParams(stop_token_ids=[7, 2, 7]).stop_token_ids == (2, 7)
+    assert SamplingParams(stop_token_ids=[]).stop_token_ids is None
+
+
 def general_path(decoder):
     """A round observer: the engine then verifies greedy rounds as sampled ones are (q and p built, uniforms
     drawn, the rule applied) instead of by its greedy short path."""
@@ -453,6 +479,9 @@ def test_caches_hold_committed_prefix_after_each_round(pair, monkeypatch):
     ({"frequency_penalty": -2.01}, "frequency_penalty"), ({"frequency_penalty": float("nan")}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 101}, "repetition_penalty"),
     ({"repetition_penalty": True}, "repetition_penalty"), ({"no_such_knob": 1}, "no_such_knob"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": "5"}, "stop_token_ids"),
+    ({"stop_token_ids": [1.5]}, "stop_token_ids"), ({"stop_token_ids": [True]}, "stop_token_ids"),
+    ({"stop_token_ids": 5}, "stop_token_ids"),
 ])
 def test_bad_arguments_raise_clear_error(decoder, kwargs, field):
     with pytest.raises(SpecDecError) as err:

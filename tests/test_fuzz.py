@@ -167,10 +167,13 @@ def test_schemathesis_against_the_openapi_document(app, mode):
         return constraint.isascii() and "\\u" not in constraint
 
     def in_vocabulary(body) -> bool:
-        """Whether a logit_bias names token ids of the served vocabulary: OpenAPI 3.0 can say neither that its
-        keys are digits nor how many tokens there are."""
-        bias = body.get("logit_bias") or {}
-        return all(key.isascii() and key.isdigit() and int(key) < service.decoder.vocab_size for key in bias)
+        """Whether a logit_bias and stop_token_ids name token ids of the served vocabulary (OpenAPI 3.0 can say
+        neither that its keys are digits nor how many tokens there are), the stop tokens not beside a constraint."""
+        bias, stops = body.get("logit_bias") or {}, body.get("stop_token_ids") or []
+        constrained = body.get("structured_outputs") or (body.get("response_format") or {}).get("type") not in (
+            None, "text")
+        return (all(key.isascii() and key.isdigit() and int(key) < service.decoder.vocab_size for key in bias)
+                and all(token < service.decoder.vocab_size for token in stops) and not (stops and constrained))
 
     @settings(FUZZ, max_examples=100)
     @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))

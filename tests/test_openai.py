@@ -469,6 +469,9 @@ REFUSED = [  # (route, field values, param, code)
     ("chat", {"presence_penalty": "1"}, "presence_penalty", "invalid_value"),
     ("completions", {"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
     ("chat", {"repetition_penalty": 1000}, "repetition_penalty", "invalid_value"),
+    ("completions", {"stop_token_ids": [100]}, "stop_token_ids", "invalid_value"),  # past the tiny vocabulary
+    ("chat", {"stop_token_ids": [5], "response_format": {"type": "json_object"}}, "stop_token_ids",
+     "invalid_value"),
     ("chat", {"logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
     ("completions", {"logit_bias": {"abc": 1}}, "logit_bias.abc", "invalid_value"),
     ("chat", {"logit_bias": {"100": 1}}, "logit_bias", "invalid_value"),  # past the tiny vocabulary's 100 tokens
@@ -569,6 +572,23 @@ def test_penalties_apply_on_both_routes_and_greedy_speculation_gives_target_only
         alone = text(send(client, max_tokens=24, temperature=0, method="target", **penalties).get_json())
         assert penalized == alone and penalized != plain
         assert max(map(penalized.count, set(penalized))) < max(map(plain.count, set(plain)))  # fewer repeats
+
+
+def test_stop_token_ids_end_the_choice_at_the_first_one(client, service):
+    """stop_token_ids (vLLM's extension) on both routes: the text ends with the first one's text, finish_reason
+    stop."""
+    plain = complete(client, max_tokens=20, temperature=0).get_json()["choices"][0]
+    ids = service.encode(plain["text"])
+    stop = ids[len(ids) // 2]
+    text = service.decode(ids[: ids.index(stop) + 1])
+    cut = complete(client, max_tokens=20, temperature=0, stop_token_ids=[stop]).get_json()["choices"][0]
+    assert (cut["text"], cut["finish_reason"]) == (text, "stop") and plain["finish_reason"] == "length"
+    replied = chat(client, max_tokens=20, temperature=0).get_json()["choices"][0]["message"]["content"]
+    ids = service.encode(replied)
+    stop = ids[len(ids) // 2]
+    cut = chat(client, max_tokens=20, temperature=0, stop_token_ids=[stop]).get_json()["choices"][0]
+    assert cut["message"]["content"] == service.decode(ids[: ids.index(stop) + 1])
+    assert cut["finish_reason"] == "stop"
 
 
 def test_missing_model_is_400(client):
@@ -749,6 +769,9 @@ def test_schemathesis_against_the_v1_routes(pair, path, mode):
             return False
         room = body.get("max_tokens") if body.get("max_tokens") is not None else body.get("max_completion_tokens")
         choices = len(prompts) * (request.n or 1)  # prompts times n: the document bounds each, not the product
+        stops = request.stop_token_ids or []  # in the vocabulary, and not beside a grammar, which ends the answer
+        if any(token >= service.decoder.vocab_size for token in stops) or (stops and request.constraint()):
+            return False
         return choices <= service.settings.max_prompts_per_request and all(
             len(ids) + (1 if room is None else room) <= 256 for ids in prompts)
 

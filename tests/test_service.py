@@ -311,6 +311,9 @@ def test_chunked_body_over_the_limit_is_413(client):
     ({"frequency_penalty": "1"}, "frequency_penalty"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"stop_token_ids": [100]}, "stop_token_ids"),  # the tiny vocabulary has 100 tokens
+    ({"stop_token_ids": 5}, "stop_token_ids"),
 ])
 def test_invalid_field_is_422_naming_it(client, body, field):
     body = {"prompt": PROMPT, **body} if "prompt" not in body and body else body
@@ -530,6 +533,23 @@ def test_a_logit_bias_bans_and_favours_tokens_and_speculation_keeps_target_only_
     favoured = predict(client, temperature=0.8, seed=3, max_new_tokens=20, details=True,
                        logit_bias={str(banned): 100}).get_json()
     assert all(token["id"] == banned for token in favoured["tokens"])
+
+
+def test_stop_token_ids_end_the_text_at_the_first_one(client):
+    """stop_token_ids (vLLM's): the completion ends with the first of them (its text kept), finish_reason stop,
+    streamed too; combined with a constraint it is a 422 naming the field."""
+    plain = predict(client, temperature=0, max_new_tokens=30, details=True).get_json()
+    ids = [token["id"] for token in plain["tokens"]]
+    stop = ids[len(ids) // 2]
+    cut = ids.index(stop) + 1
+    body = predict(client, temperature=0, max_new_tokens=30, details=True, stop_token_ids=[stop]).get_json()
+    assert [token["id"] for token in body["tokens"]] == ids[:cut] and body["finish_reason"] == "stop"
+    assert body["text"] == "".join(token["text"] for token in plain["tokens"][:cut])
+    streamed = sse_events(predict(client, temperature=0, max_new_tokens=30, stream=True, stop_token_ids=[stop]))
+    assert "".join(event.get("text", "") for event in streamed) == body["text"]
+    assert streamed[-1]["finish_reason"] == "stop"
+    refused = predict(client, stop_token_ids=[stop], structured_outputs={"choice": ["yes", "no"]})
+    assert refused.status_code == 422 and refused.get_json()["error"]["field"] == "stop_token_ids"
 
 
 def test_penalties_cut_repeats_and_speculation_keeps_target_only_greedy(client):

@@ -47,6 +47,7 @@ from .protocol import (
     LogitBias,
     PresencePenalty,
     RepetitionPenalty,
+    StopTokenIds,
     Temperature,
     sampling_params,
     temperature_field,
@@ -243,6 +244,7 @@ class _Request(BaseModel):
     frequency_penalty: FrequencyPenalty = None
     logit_bias: LogitBias | None = Field(None, description=LOGIT_BIAS_DESCRIPTION)
     repetition_penalty: RepetitionPenalty = None  # an extension, as vLLM's
+    stop_token_ids: StopTokenIds = None  # an extension, as vLLM's
     # extensions, as in /predict
     top_k: int | None = Field(None, ge=0, description="extension: 0 keeps every token")
     gamma: int | None = Field(None, ge=1, description="extension: draft tokens proposed per round")

@@ -54,6 +54,9 @@ CONFIDENCE_DESCRIPTION = ("the draft model ends its run before gamma after a tok
 IGNORE_EOS_DESCRIPTION = ("keep an end-of-sequence token and go on to the token limit (default false; not with "
                           "a response_format or structured_outputs constraint, nor with tools unless tool_choice is "
                           "none)")
+STOP_TOKEN_IDS_DESCRIPTION = ("more token ids that end the completion as an end-of-sequence token does (vLLM's; "
+                              "kept in the output, finish_reason stop; also with ignore_eos); not with a "
+                              "response_format, structured_outputs or tools")
 # why a request's ignore_eos is refused beside response_format or structured_outputs (/predict and /v1)
 IGNORE_EOS_CONSTRAINED = ("ignore_eos cannot be combined with response_format or structured_outputs: a constrained "
                           "answer ends with an end-of-sequence token")
@@ -103,6 +106,9 @@ RepetitionPenalty = Annotated[float | None, Field(
                 f"{_PENALIZED}")]
 
 
+StopTokenIds = Annotated[list[Annotated[int, Field(ge=0)]] | None, Field(description=STOP_TOKEN_IDS_DESCRIPTION)]
+
+
 def _not_tiny(value: float | None) -> float | None:
     if value is not None and 0 < value < MIN_TEMPERATURE:
         raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}")
@@ -149,6 +155,7 @@ class PredictRequest(BaseModel):
     details: bool | None = Field(None, description="add the per-token list")
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="add `logprobs`: " + LOGPROBS_DESCRIPTION)
     logit_bias: LogitBias | None = Field(None, description=LOGIT_BIAS_DESCRIPTION)
+    stop_token_ids: StopTokenIds = None
     presence_penalty: PresencePenalty = None
     frequency_penalty: FrequencyPenalty = None
     repetition_penalty: RepetitionPenalty = None

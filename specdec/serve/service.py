@@ -248,7 +248,7 @@ class Service:
         generation = record.generation = Generation(self, stream, slot, record, prompt_ids,
                                                     sampling.max_new_tokens, stop, details,
                                                     logprobs=sampling.logprobs is not None,
-                                                    eos=() if sampling.ignore_eos else self.models.eos_token_ids)
+                                                    eos=sampling.ending_tokens(self.models.eos_token_ids))
         record.generations.append(generation)
         return generation
 

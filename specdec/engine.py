@@ -732,18 +732,18 @@ class _Warper:
 
     def __init__(self, temperature: float, top_k: int, top_p: float, vocab_size: int,
                  logit_bias: tuple[tuple[int, float], ...] | None = None,
-                 penalties: tuple[float, float, float] = (0.0, 0.0, 1.0), prompt_len: int = 0):
+                 penalties: tuple[float, float, float] | None = None, prompt_len: int = 0):
         self.temperature, self.top_k, self.top_p, self.vocab_size = temperature, top_k, top_p, vocab_size
         self.logit_bias = logit_bias
         self._bias: dict[tuple, torch.Tensor] = {}  # the bias as a vector, by (device, logits' size)
-        self.penalties = penalties  # (presence, frequency, repetition): sampling.penalize's
-        self.penalized = penalties != (0.0, 0.0, 1.0)
+        self.penalties = penalties  # (presence, frequency, repetition): sampling.penalize's; None: no penalty
         self.prompt_len = prompt_len  # the context's first prompt_len tokens are the prompt
 
     @classmethod
     def for_request(cls, params: SamplingParams, vocab_size: int, prompt_len: int) -> "_Warper":
+        penalties = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
         return cls(params.temperature, params.top_k, params.top_p, vocab_size, params.logit_bias,
-                   (params.presence_penalty, params.frequency_penalty, params.repetition_penalty), prompt_len)
+                   penalties if params.penalized else None, prompt_len)
 
     def __call__(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, context: list[int] | None = None,
                  proposed: list[int] = ()) -> torch.Tensor:
@@ -771,7 +771,7 @@ class _Warper:
             if key not in self._bias:
                 self._bias[key] = logit_bias_vector(self.logit_bias, logits.size(-1), logits.device)
             logits = logits.float() + self._bias[key]
-        if self.penalized:
+        if self.penalties is not None:
             if context is None:
                 raise RuntimeError("a penalized request's logits need the sequence they follow")
             rows = logits.reshape(-1, logits.size(-1))

@@ -39,11 +39,13 @@ FIM_TOKENS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"), ("<fim_pre
 
 
 def fim_token_ids(tokenizer) -> tuple[int, int, int] | None:
-    """The tokenizer's (prefix, suffix, middle) fill-in-the-middle token ids, or None if it has none."""
-    vocab = tokenizer.get_vocab()
+    """The tokenizer's (prefix, suffix, middle) fill-in-the-middle token ids, or None if it has none. Looked up
+    name by name (a token the vocabulary lacks maps to None or to the unknown token, and does not map back):
+    get_vocab() would build the whole 151k-entry dict on every request."""
     for names in FIM_TOKENS:
-        if all(name in vocab for name in names):
-            return tuple(vocab[name] for name in names)
+        ids = tokenizer.convert_tokens_to_ids(list(names))
+        if None not in ids and tokenizer.convert_ids_to_tokens(ids) == list(names):
+            return tuple(ids)
     return None
 
 

@@ -8,8 +8,15 @@ After width 1, torch.compile makes the width dynamic, so two compilations serve 
 wider forwards (a prompt's prefill) run eagerly on the same cache. A request that could outgrow the cache uses the
 dynamic cache (kv_cache.CachedModel) instead.
 
-    compile_model(model, device)        # what load_pair(compile=...) does to each model of the pair
-    cached = cache_for(model, needed)   # the engine: a StaticCachedModel where the model has a compiled form
+The static cache is also this path's prompt cache: a request that keeps its caches (the prompt cache on, and
+`cache_prompt`) leaves its committed tokens' keys and values in it (`StaticDecoding.held`), and the next request
+that shares a prefix with them prefills only the rest of its prompt: a conversation's next turn, an agent's next
+step, the same system prompt again. One sequence per model, the latest: the prompt cache's entries (prompt_cache.py)
+hold dynamic caches, for requests that do not take the static one.
+
+    compile_model(model, device)                # what load_pair(compile=...) does to each model of the pair
+    cached = cache_for(model, needed, prompt)   # the engine: a StaticCachedModel where the model has a compiled
+                                                # form, starting from the prefix of `prompt` it holds
 """
 
 import logging
@@ -20,6 +27,7 @@ from transformers import StaticCache
 
 from .errors import SpecDecError
 from .kv_cache import CachedModel, context_length, input_device
+from .prompt_cache import common_prefix
 from .threads import gevent_patched, unpatched
 
 logger = logging.getLogger(__name__)
@@ -56,6 +64,10 @@ class StaticDecoding:
         self.max_len = max_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
         self.owner: object | None = None
+        # the token ids whose keys and values the cache holds, left by the last request that kept them (`hold`)
+        self.held: list[int] = []
+        # a sliding-window layer forgets what left its window: such a cache cannot go back to a prefix
+        self.reusable = not any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
         self.cuda_graphs = cuda_graphs
         # A code object of its own: torch.compile keeps its graphs and guards per code object, so this model's
         # graphs (two: width 1, and every width after it) are never another's, and only the guards on tensors
@@ -67,11 +79,26 @@ class StaticDecoding:
             options["triton.cudagraphs"] = True  # mode "reduce-overhead", which cannot be named beside options
         self.step = torch.compile(own, fullgraph=True, options=options)
 
-    def claim(self, owner: object) -> StaticCache:
-        """The cache, emptied for a new request (only its position moves)."""
+    def claim(self, owner: object, prompt: list[int] | None = None) -> int:
+        """The cache for a new request (only its position moves): emptied, or with `prompt`, cut to the longest
+        prefix of it that the cache holds, at most all but its last token (whose logits the prefill must give);
+        the number of tokens kept."""
         self.owner = owner
-        self.cache.crop(-int(self.cache.get_seq_length()))
-        return self.cache
+        keep = 0
+        if prompt is not None and self.reusable:
+            keep = min(common_prefix(self.held, prompt), len(prompt) - 1)
+        self.held = []  # the new owner writes over the rest; it says what the cache holds when it ends (`hold`)
+        self.cache.crop(keep - int(self.cache.get_seq_length()))
+        return keep
+
+    def hold(self, owner: object, token_ids: list[int]) -> None:
+        """`owner`'s request ended holding the keys and values of `token_ids` (a prefix of its sequence, all its
+        cache holds, or fewer: the cache is cut to them): the next request may start from them. Nothing if a newer
+        request has claimed the cache since."""
+        if owner is not self.owner or not self.reusable:
+            return
+        self.cache.crop(len(token_ids) - int(self.cache.get_seq_length()))
+        self.held = list(token_ids)
 
     @torch.inference_mode()
     def forward(self, owner: object, ids: torch.Tensor) -> torch.Tensor:
@@ -107,12 +134,12 @@ class StaticCachedModel(CachedModel):
     """CachedModel over a model's StaticDecoding: the same `length`, `forward` and `rollback`, on the
     preallocated cache."""
 
-    def __init__(self, static: StaticDecoding):
+    def __init__(self, static: StaticDecoding, prompt: list[int] | None = None):
         self.model = static.model
         self.device = input_device(static.model)
         self.static = static
-        self.cache = static.claim(self)
-        self._length = 0
+        self.cache = static.cache
+        self._length = static.claim(self, prompt)  # tokens of `prompt` the cache already holds
 
     @property
     def length(self) -> int:
@@ -132,13 +159,24 @@ class StaticCachedModel(CachedModel):
             self.cache.crop(-extra)
             self._length = length
 
+    def hold(self, token_ids: list[int]) -> None:
+        """The request ends: the cache holds the keys and values of `token_ids[:length]` (StaticDecoding.hold)."""
+        self.static.hold(self, token_ids[: self._length])
+        self._length = min(self._length, len(token_ids))
 
-def cache_for(model, needed: int) -> CachedModel:
-    """The model's cache for a request that may hold `needed` tokens: its static cache where it has a compiled
-    form that holds them, else a fresh dynamic one."""
+
+def takes_static_cache(model, needed: int) -> bool:
+    """Whether a request that may hold `needed` tokens decodes `model` on its static cache (`cache_for`)."""
     static = getattr(model, "specdec_static", None)
-    if static is not None and needed <= static.max_len:
-        return StaticCachedModel(static)
+    return static is not None and needed <= static.max_len
+
+
+def cache_for(model, needed: int, prompt: list[int] | None = None) -> CachedModel:
+    """The model's cache for a request that may hold `needed` tokens: its static cache where it has a compiled
+    form that holds them (with `prompt`, starting from the prefix of it the cache holds), else a fresh dynamic
+    one."""
+    if takes_static_cache(model, needed):
+        return StaticCachedModel(model.specdec_static, prompt)
     return CachedModel(model)
 
 

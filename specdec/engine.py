@@ -16,7 +16,7 @@ import torch
 
 from . import verification
 from .adaptive import AdaptiveGamma, CostProfile
-from .compiled import cache_for
+from .compiled import StaticCachedModel, cache_for
 from .drafters import SOURCES, GuidedDrafter, HybridDrafter, LookupDrafter, LookupSettings, ModelDrafter, Proposal
 from .errors import SpecDecError
 from .grammar import CompiledGrammar, GrammarState
@@ -174,9 +174,20 @@ class _Request:
         the model's static one where it has a compiled form (compiled.py), else a new one."""
         if role not in self.caches:
             reused = self.reused.pop(role, None)
-            self.caches[role] = CachedModel(model, reused) if reused is not None else \
-                cache_for(model, self.prompt_len + self.max_new_tokens + 1)
+            if reused is not None:
+                self.caches[role] = CachedModel(model, reused)
+            else:  # a compiled model's static cache starts from the prefix of the sequence it holds
+                self.caches[role] = cache_for(model, self.prompt_len + self.max_new_tokens + 1,
+                                              self.ids if self.cache_prompt else None)
+                if self.cache_prompt and role == self.decoding_role:
+                    self.cached_tokens = self.caches[role].length
         return self.caches[role]
+
+    @property
+    def decoding_role(self) -> str:
+        """The model whose prefill the prompt cache saves: the draft's for draft-only decoding, else the
+        target's."""
+        return "draft" if self.params.method == "draft" else "target"
 
     def forward(self, role: str, model: CachedModel, tokens: list[int], keep: int = 1) -> torch.Tensor:
         """A timed forward of the draft or target model."""
@@ -411,19 +422,17 @@ class SpeculativeDecoder:
         return Stream(req, self._run(req, warper))
 
     def caches_prompt(self, params: SamplingParams) -> bool:
-        """Whether a request reads and feeds the prompt cache: it is on, the request did not opt out, needs no
-        prompt logprobs (every prompt row, so a full prefill) and the pair is not compiled (each compiled model
-        has one static cache, which every request claims and empties: the prompt cache is bypassed there)."""
-        compiled = any(getattr(model, "specdec_static", None) is not None
-                       for model in (self.draft_model, self.target_model))
+        """Whether a request reads and feeds the prompt cache: it is on, the request did not opt out and needs no
+        prompt logprobs (every prompt row, so a full prefill). A compiled model's prompt cache is its static
+        cache, which holds the latest request's sequence (compiled.py)."""
         return (self.prompt_cache.enabled and params.cache_prompt and params.prompt_logprobs is None
-                and params.max_new_tokens > 0 and not compiled)
+                and params.max_new_tokens > 0)
 
     def _run(self, req: "_Request", probs: "_Warper"):
         params = req.params
         if req.cache_prompt:  # here, on the engine's thread, when decoding starts
             req.reused = self.prompt_cache.take(req.ids)
-            decoding = "draft" if params.method == "draft" else "target"
+            decoding = req.decoding_role
             req.cached_tokens = cache_length(req.reused[decoding]) if decoding in req.reused else 0
         try:
             if params.max_new_tokens == 0:  # the prompt scored alone (prompt_logprobs): its prefill, nothing drawn
@@ -450,9 +459,14 @@ class SpeculativeDecoder:
         if req.interrupted:
             return
         kept = len(req.ids) - 1
+        for model in req.caches.values():
+            if isinstance(model, StaticCachedModel):  # its static cache keeps them for the next request
+                model.hold(req.ids[:kept])
         caches = dict(req.reused)
         caches.update({role: model.cache for role, model in req.caches.items()})
         caches = {role: cache for role, cache in caches.items() if reusable(cache)}
+        if not caches:
+            return
         for cache in caches.values():
             crop_cache(cache, kept)
         self.prompt_cache.put(req.ids[:kept], caches)

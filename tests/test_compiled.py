@@ -1,7 +1,10 @@
 """The compiled static-cache path (specdec/compiled.py) on tiny transformers models, CPU inductor: samples follow
 the target's distribution for every method, drafter and verification rule (chi-square, as in test_exactness.py,
 with a deliberately wrong rule that must fail), greedy output equals eager target-only output, the static cache
-rolls back by position, serves one request at a time, and a request it cannot hold takes the dynamic cache.
+rolls back by position, serves one request at a time, and a request it cannot hold takes the dynamic cache. As
+the prompt cache: a request starts from the prefix of its prompt that the static caches hold from the latest
+request (greedy equal to eager target-only without a cache; samples from a warm static cache follow the target's
+distribution).
 
 Compiling costs seconds per graph, so the module compiles one pair, once, on one worker."""
 
@@ -17,6 +20,7 @@ from specdec.kv_cache import CachedModel
 from tests.support.models import make_model, perturbed_copy
 from tests.test_exactness import (
     DRAFTER_SAMPLES,
+    LENGTH,
     SETTINGS,
     VOCAB,
     draw,
@@ -182,6 +186,127 @@ def test_forwards_wider_than_the_compiled_widths_run_eagerly_on_the_static_cache
         assert torch.allclose(out, target(input_ids=torch.tensor([ids])).logits[0], atol=1e-5)
 
 
+# --- the static cache as the prompt cache ----------------------------------------------------------------------
+
+PROMPT_CACHE_BYTES = 10_000_000
+CHAT = [5, 17, 42, 8, 99, 3, 5, 17, 42, 8]
+
+
+def test_a_request_starts_from_the_prefix_of_its_prompt_that_the_static_caches_hold(greedy_pairs):
+    """A conversation's next turn (the last answer and new text after it): the static caches held the last
+    request's sequence but its newest token, so only the rest is prefilled; the tokens are eager target-only's
+    without a cache, for target-only, draft-only and every drafter and rule."""
+    (draft, target), (fast_draft, fast_target) = greedy_pairs
+    eager = SpeculativeDecoder(draft, target)
+    compiled = SpeculativeDecoder(fast_draft, fast_target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
+    for method, drafter, rule in [("target", "model", "token"), ("draft", "model", "token"),
+                                  ("google", "model", "token"), ("deepmind", "hybrid", "block"),
+                                  ("google", "lookup", "block")]:
+        first = compiled.generate(CHAT, max_new_tokens=12, method=method, temperature=0, eos_token_id=[],
+                                  drafter=drafter, verification=rule)
+        sequence = CHAT + first.token_ids
+        role = fast_draft if method == "draft" else fast_target
+        assert role.specdec_static.held == sequence[:-1]
+        turn = sequence + [11, 12, 13]
+        second = compiled.generate(turn, max_new_tokens=12, method=method, temperature=0, eos_token_id=[],
+                                   drafter=drafter, verification=rule)
+        assert second.stats.cached_tokens == len(sequence) - 1
+        reference = eager.generate(turn, max_new_tokens=12, method="draft" if method == "draft" else "target",
+                                   temperature=0, eos_token_id=[])
+        assert second.token_ids == reference.token_ids, (method, drafter, rule)
+
+
+def test_a_prompt_that_leaves_the_held_sequence_reuses_what_they_share(greedy_pairs):
+    (draft, target), (fast_draft, fast_target) = greedy_pairs
+    compiled = SpeculativeDecoder(fast_draft, fast_target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
+    compiled.generate(CHAT, max_new_tokens=8, temperature=0, eos_token_id=[])
+    other = CHAT[:6] + [60, 61, 62]
+    result = compiled.generate(other, max_new_tokens=8, temperature=0, eos_token_id=[])
+    assert result.token_ids == SpeculativeDecoder(draft, target).generate(
+        other, max_new_tokens=8, method="target", temperature=0, eos_token_id=[]).token_ids
+    assert result.stats.cached_tokens == 6
+    again = compiled.generate(other, max_new_tokens=8, temperature=0, eos_token_id=[])
+    assert again.stats.cached_tokens == len(other) - 1 and again.token_ids == result.token_ids
+
+
+def test_without_the_prompt_cache_a_request_starts_from_an_empty_static_cache_and_leaves_nothing(greedy_pairs):
+    """cache_prompt false, prompt logprobs (a full prefill) or the prompt cache off: nothing is read, and what
+    the caches held is gone (the request wrote over it)."""
+    _, (fast_draft, fast_target) = greedy_pairs
+    compiled = SpeculativeDecoder(fast_draft, fast_target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
+    for kwargs in ({"cache_prompt": False}, {"prompt_logprobs": 0}):
+        compiled.generate(CHAT, max_new_tokens=8, temperature=0, eos_token_id=[])
+        assert fast_target.specdec_static.held
+        result = compiled.generate(CHAT, max_new_tokens=8, temperature=0, eos_token_id=[], **kwargs)
+        assert result.stats.cached_tokens is None and fast_target.specdec_static.held == []
+    SpeculativeDecoder(fast_draft, fast_target).generate(CHAT, max_new_tokens=8, temperature=0, eos_token_id=[])
+    assert fast_target.specdec_static.held == [] and fast_draft.specdec_static.held == []
+
+
+def test_a_request_that_fails_mid_forward_leaves_nothing_held(greedy_pairs, monkeypatch):
+    """A forward that raised may have written some layers' keys and not others': no later request reads them."""
+    (draft, target), (fast_draft, fast_target) = greedy_pairs
+    compiled = SpeculativeDecoder(fast_draft, fast_target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
+    compiled.generate(CHAT, max_new_tokens=8, temperature=0, eos_token_id=[])
+    calls = {"n": 0}
+    step = fast_target.specdec_static.step
+
+    def failing(decoding, ids):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("the device went away")
+        return step(decoding, ids)
+
+    monkeypatch.setattr(fast_target.specdec_static, "step", failing)
+    with pytest.raises(RuntimeError, match="went away"):
+        compiled.generate(CHAT + [1, 2], max_new_tokens=8, temperature=0, eos_token_id=[])
+    monkeypatch.undo()
+    assert fast_target.specdec_static.held == []
+    result = compiled.generate(CHAT + [1, 2], max_new_tokens=8, temperature=0, eos_token_id=[])
+    assert result.stats.cached_tokens == 0
+    assert result.token_ids == SpeculativeDecoder(draft, target).generate(
+        CHAT + [1, 2], max_new_tokens=8, method="target", temperature=0, eos_token_id=[]).token_ids
+
+
+def test_an_older_request_ending_after_a_newer_one_claimed_the_cache_leaves_the_newer_ones(greedy_pairs):
+    _, (fast_draft, fast_target) = greedy_pairs
+    compiled = SpeculativeDecoder(fast_draft, fast_target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
+    older = compiled.stream(CHAT, max_new_tokens=8, method="target", temperature=0, eos_token_id=[])
+    next(older)
+    newer = compiled.generate(CHAT[:5], max_new_tokens=4, method="target", temperature=0, eos_token_id=[])
+    older.close()  # abandoned: it ends holding nothing of its own
+    assert fast_target.specdec_static.held == (CHAT[:5] + newer.token_ids)[:-1]
+
+
+# every other draw leaves a one-token request's sequence (the prompt) held, taken whole; the others start from the
+# previous draw's sequence, of which they share the prompt
+WARM_RULES = [("google", "model", "token", "t1", 2), ("deepmind", "hybrid", "block", "t0.8-topk5-topp0.9", 2),
+              ("google", "hybrid", "token", "topp0.8", None), ("target", "model", "token", "t1.5", 2)]
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("method, drafter, rule, setting, gamma", WARM_RULES)
+def test_compiled_samples_follow_target_distribution_with_a_warm_static_cache(compiled_pair, method, drafter, rule,
+                                                                            setting, gamma):
+    draft, target = compiled_pair
+    decoder = SpeculativeDecoder(draft, target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
+    temperature, top_k, top_p = SETTINGS[setting]
+    prompt = HYBRID_PROMPT
+    counts, warm = {}, 0
+    for i in range(DRAFTER_SAMPLES):
+        if i % 2:
+            decoder.generate(prompt, max_new_tokens=1, method=method, gamma=gamma, temperature=temperature,
+                             seed=10_000_019 + i, drafter=drafter, verification=rule)
+        result = decoder.generate(prompt, max_new_tokens=LENGTH, method=method, gamma=gamma, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, seed=31 * 1_000_003 + i, drafter=drafter,
+                                  verification=rule)
+        warm += result.stats.cached_tokens == len(prompt) - 1
+        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
+    assert warm >= DRAFTER_SAMPLES - 1  # the first draw found nothing
+    expected = exact_distribution(target, *SETTINGS[setting], prompt=prompt)
+    assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
+
+
 # --- choosing the path -------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("value, device, expected", [
@@ -232,6 +357,14 @@ def test_the_service_compiles_before_it_is_ready_and_serves_greedy_target_only(t
     speculative = client.post("/predict", json={**body, "method": "google"}).get_json()
     target_only = client.post("/predict", json={**body, "method": "target"}).get_json()
     assert speculative["text"] == target_only["text"] and speculative["usage"]["completion_tokens"] > 0
+    # the next turn starts from what the static caches hold (the prompt cache's part on this path)
+    turn = {**body, "prompt": body["prompt"] + target_only["text"] + "\n", "method": "google"}
+    cached = client.post("/predict", json=turn).get_json()
+    fresh = client.post("/predict", json={**turn, "cache_prompt": False}).get_json()
+    prompt_tokens = cached["usage"]["prompt_tokens"]
+    assert 0 < cached["stats"]["cached_tokens"] < prompt_tokens and fresh["stats"]["cached_tokens"] is None
+    assert cached["text"] == fresh["text"]
+    assert client.get("/readyz").get_json()["prompt_cache_bytes"] > 0
 
 
 def test_compiled_logprobs_are_the_targets_on_every_drafter_and_rule(greedy_pairs):

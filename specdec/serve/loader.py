@@ -90,7 +90,7 @@ class ModelHost:
                                     "target": display_name(target, s.target_model)},
                          "device": str(input_device(target)), "dtype": str(target.dtype).removeprefix("torch."),
                          "context_length": decoder.context_length,
-                         # 0: off (configured so, or bypassed by a compiled pair)
+                         # 0: off
                          "prompt_cache_bytes": decoder.prompt_cache.budget
                          if decoder.caches_prompt(s.sampling.replace(cache_prompt=True)) else 0,
                          "load_seconds": round(time.perf_counter() - start, 2),

@@ -24,6 +24,7 @@ import types
 
 import torch
 from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 from .errors import SpecDecError
 from .kv_cache import CachedModel, context_length, input_device
@@ -66,8 +67,9 @@ class StaticDecoding:
         self.owner: object | None = None
         # the token ids whose keys and values the cache holds, left by the last request that kept them (`hold`)
         self.held: list[int] = []
-        # a sliding-window layer forgets what left its window: such a cache cannot go back to a prefix
-        self.reusable = not any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
+        # only full-attention layers keep every position: a sliding-window (or recurrent) layer forgets what left
+        # its window, so such a cache cannot go back to a prefix
+        self.reusable = all(type(layer) is StaticLayer for layer in self.cache.layers)
         self.cuda_graphs = cuda_graphs
         # A code object of its own: torch.compile keeps its graphs and guards per code object, so this model's
         # graphs (two: width 1, and every width after it) are never another's, and only the guards on tensors
@@ -84,21 +86,24 @@ class StaticDecoding:
         prefix of it that the cache holds, at most all but its last token (whose logits the prefill must give);
         the number of tokens kept."""
         self.owner = owner
+        length = int(self.cache.get_seq_length())
         keep = 0
         if prompt is not None and self.reusable:
-            keep = min(common_prefix(self.held, prompt), len(prompt) - 1)
+            keep = min(common_prefix(self.held, prompt), len(prompt) - 1, length)
         self.held = []  # the new owner writes over the rest; it says what the cache holds when it ends (`hold`)
-        self.cache.crop(keep - int(self.cache.get_seq_length()))
+        self.cache.crop(keep - length)
         return keep
 
     def hold(self, owner: object, token_ids: list[int]) -> None:
-        """`owner`'s request ended holding the keys and values of `token_ids` (a prefix of its sequence, all its
-        cache holds, or fewer: the cache is cut to them): the next request may start from them. Nothing if a newer
-        request has claimed the cache since."""
+        """`owner`'s request ended, its cache holding the keys and values of the first tokens of `token_ids` (a
+        prefix of its sequence; the cache is cut to them where it holds more): the next request may start from them.
+        Nothing if a newer request has claimed the cache since."""
         if owner is not self.owner or not self.reusable:
             return
-        self.cache.crop(len(token_ids) - int(self.cache.get_seq_length()))
-        self.held = list(token_ids)
+        length = int(self.cache.get_seq_length())
+        kept = min(len(token_ids), length)
+        self.cache.crop(kept - length)
+        self.held = list(token_ids[:kept])
 
     @torch.inference_mode()
     def forward(self, owner: object, ids: torch.Tensor) -> torch.Tensor:

@@ -278,6 +278,21 @@ def test_an_older_request_ending_after_a_newer_one_claimed_the_cache_leaves_the_
     assert fast_target.specdec_static.held == (CHAT[:5] + newer.token_ids)[:-1]
 
 
+def test_a_sliding_window_cache_is_never_started_from_a_prefix():
+    """A sliding-window layer forgets what left its window: its static cache holds nothing for the next request."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    from specdec.compiled import StaticDecoding
+
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, sliding_window=4)
+    static = StaticDecoding(AutoModelForCausalLM.from_config(config).eval(), 64, cuda_graphs=False)
+    owner = object()
+    assert not static.reusable and static.claim(owner, CHAT) == 0
+    static.hold(owner, CHAT)
+    assert static.held == [] and static.claim(object(), CHAT) == 0
+
+
 # every other draw leaves a one-token request's sequence (the prompt) held, taken whole; the others start from the
 # previous draw's sequence, of which they share the prompt
 WARM_RULES = [("google", "model", "token", "t1", 2), ("deepmind", "hybrid", "block", "t0.8-topk5-topp0.9", 2),

@@ -8,11 +8,12 @@ After width 1, torch.compile makes the width dynamic, so two compilations serve 
 wider forwards (a prompt's prefill) run eagerly on the same cache. A request that could outgrow the cache uses the
 dynamic cache (kv_cache.CachedModel) instead.
 
-The static cache is also this path's prompt cache: a request that keeps its caches (the prompt cache on, and
+The static cache also serves the prompt cache: a request that keeps its caches (the prompt cache on, and
 `cache_prompt`) leaves its committed tokens' keys and values in it (`StaticDecoding.held`), and the next request
 that shares a prefix with them prefills only the rest of its prompt: a conversation's next turn, an agent's next
-step, the same system prompt again. One sequence per model, the latest: the prompt cache's entries (prompt_cache.py)
-hold dynamic caches, for requests that do not take the static one.
+step, the same system prompt again. A request that would write over them first gives a copy to the prompt cache
+(`held_cache`, prompt_cache.py's entries), and a request that an entry serves better than the static cache has the
+entry's keys and values copied in (`claim`): conversations taking turns each find theirs.
 
     compile_model(model, device)                # what load_pair(compile=...) does to each model of the pair
     cached = cache_for(model, needed, prompt)   # the engine: a StaticCachedModel where the model has a compiled
@@ -23,12 +24,12 @@ import logging
 import types
 
 import torch
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
 from transformers.cache_utils import StaticLayer
 
 from .errors import SpecDecError
-from .kv_cache import CachedModel, context_length, input_device
-from .prompt_cache import common_prefix
+from .kv_cache import CachedModel, context_length, growing_cache, input_device
+from .prompt_cache import cache_length, common_prefix
 from .threads import gevent_patched, unpatched
 
 logger = logging.getLogger(__name__)
@@ -81,10 +82,11 @@ class StaticDecoding:
             options["triton.cudagraphs"] = True  # mode "reduce-overhead", which cannot be named beside options
         self.step = torch.compile(own, fullgraph=True, options=options)
 
-    def claim(self, owner: object, prompt: list[int] | None = None) -> int:
+    def claim(self, owner: object, prompt: list[int] | None = None, reused: DynamicCache | None = None) -> int:
         """The cache for a new request (only its position moves): emptied, or with `prompt`, cut to the longest
         prefix of it that the cache holds, at most all but its last token (whose logits the prefill must give);
-        the number of tokens kept."""
+        where `reused` (a prompt-cache entry's cache, holding such a prefix) holds a longer one, its keys and values
+        written over the cache's. The number of tokens kept."""
         self.owner = owner
         length = int(self.cache.get_seq_length())
         keep = 0
@@ -92,7 +94,30 @@ class StaticDecoding:
             keep = min(common_prefix(self.held, prompt), len(prompt) - 1, length)
         self.held = []  # the new owner writes over the rest; it says what the cache holds when it ends (`hold`)
         self.cache.crop(keep - length)
+        if reused is not None and self.reusable and cache_length(reused) > keep:
+            keep = self._load(reused)
         return keep
+
+    @torch.inference_mode()
+    def _load(self, cache: DynamicCache) -> int:
+        """The cache emptied, then given `cache`'s keys and values (copies, in place: the static addresses stay);
+        how many positions."""
+        self.cache.crop(-int(self.cache.get_seq_length()))
+        for index, layer in enumerate(cache.layers):
+            self.cache.update(layer.keys, layer.values, index)
+        return int(self.cache.get_seq_length())
+
+    def overwritten_by(self, prompt: list[int]) -> bool:
+        """Whether a request for `prompt` that takes this cache writes over some of what it holds."""
+        return bool(self.held) and common_prefix(self.held, prompt) < len(self.held)
+
+    @torch.inference_mode()
+    def held_cache(self) -> DynamicCache:
+        """A dynamic cache holding copies of the keys and values of `held` (a prompt-cache entry's)."""
+        held, copied = len(self.held), growing_cache(self.model.config)
+        for index, layer in enumerate(self.cache.layers):
+            copied.update(layer.keys[:, :, :held], layer.values[:, :, :held], index)
+        return copied
 
     def hold(self, owner: object, token_ids: list[int]) -> None:
         """`owner`'s request ended, its cache holding the keys and values of the first tokens of `token_ids` (a
@@ -139,12 +164,12 @@ class StaticCachedModel(CachedModel):
     """CachedModel over a model's StaticDecoding: the same `length`, `forward` and `rollback`, on the
     preallocated cache."""
 
-    def __init__(self, static: StaticDecoding, prompt: list[int] | None = None):
+    def __init__(self, static: StaticDecoding, prompt: list[int] | None = None, reused: DynamicCache | None = None):
         self.model = static.model
         self.device = input_device(static.model)
         self.static = static
         self.cache = static.cache
-        self._length = static.claim(self, prompt)  # tokens of `prompt` the cache already holds
+        self._length = static.claim(self, prompt, reused)  # tokens of `prompt` the cache holds
 
     @property
     def length(self) -> int:
@@ -176,13 +201,13 @@ def takes_static_cache(model, needed: int) -> bool:
     return static is not None and needed <= static.max_len
 
 
-def cache_for(model, needed: int, prompt: list[int] | None = None) -> CachedModel:
+def cache_for(model, needed: int, prompt: list[int] | None = None, reused: DynamicCache | None = None) -> CachedModel:
     """The model's cache for a request that may hold `needed` tokens: its static cache where it has a compiled
-    form that holds them (with `prompt`, starting from the prefix of it the cache holds), else a fresh dynamic
-    one."""
+    form that holds them (with `prompt`, starting from the longest prefix of it that the cache or `reused`, a
+    prompt-cache entry's cache, holds), else a dynamic one (`reused`, or a new one)."""
     if takes_static_cache(model, needed):
-        return StaticCachedModel(model.specdec_static, prompt)
-    return CachedModel(model)
+        return StaticCachedModel(model.specdec_static, prompt, reused)
+    return CachedModel(model, reused)
 
 
 def compile_model(model, device: torch.device) -> bool:

@@ -16,7 +16,7 @@ import torch
 
 from . import verification
 from .adaptive import AdaptiveGamma, CostProfile
-from .compiled import StaticCachedModel, cache_for
+from .compiled import StaticCachedModel, cache_for, takes_static_cache
 from .drafters import SOURCES, GuidedDrafter, HybridDrafter, LookupDrafter, LookupSettings, ModelDrafter, Proposal
 from .errors import SpecDecError
 from .grammar import CompiledGrammar, GrammarState
@@ -34,7 +34,7 @@ from .params import (
     SamplingParams,
     splitmix64,
 )
-from .prompt_cache import PromptCache, cache_length, reusable
+from .prompt_cache import PromptCache, reusable
 from .prompt_cache import crop as crop_cache
 from .sampling import TokenLogprobs, logit_bias_vector, logits_to_probs, mask_logits, penalize, sample, token_logprobs
 from .stats import GenerationStats
@@ -173,15 +173,23 @@ class _Request:
         """The request's KV cache of one model ("target" or "draft"): the prompt cache's, where it gave one, else
         the model's static one where it has a compiled form (compiled.py), else a new one."""
         if role not in self.caches:
-            reused = self.reused.pop(role, None)
-            if reused is not None:
-                self.caches[role] = CachedModel(model, reused)
-            else:  # a compiled model's static cache starts from the prefix of the sequence it holds
-                self.caches[role] = cache_for(model, self.prompt_len + self.max_new_tokens + 1,
-                                              self.ids if self.cache_prompt else None)
-                if self.cache_prompt and role == self.decoding_role:
-                    self.cached_tokens = self.caches[role].length
+            self.caches[role] = cache_for(model, self.needed, self.ids if self.cache_prompt else None,
+                                          self.reused.pop(role, None))
+            if self.cache_prompt and role == self.decoding_role:
+                self.cached_tokens = self.caches[role].length
         return self.caches[role]
+
+    @property
+    def needed(self) -> int:
+        """The most tokens this request's caches may hold."""
+        return self.prompt_len + self.max_new_tokens + 1
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The models this request decodes with."""
+        if not self.params.speculative:
+            return ("draft",) if self.params.method == "draft" else ("target",)
+        return ("target",) if self.params.drafter == "lookup" else ("draft", "target")
 
     @property
     def decoding_role(self) -> str:
@@ -431,9 +439,9 @@ class SpeculativeDecoder:
     def _run(self, req: "_Request", probs: "_Warper"):
         params = req.params
         if req.cache_prompt:  # here, on the engine's thread, when decoding starts
+            self._save_held(req)
             req.reused = self.prompt_cache.take(req.ids)
-            decoding = req.decoding_role
-            req.cached_tokens = cache_length(req.reused[decoding]) if decoding in req.reused else 0
+            req.cached_tokens = 0  # its decoding model's cache says how many, once made (_Request.cache_for)
         try:
             if params.max_new_tokens == 0:  # the prompt scored alone (prompt_logprobs): its prefill, nothing drawn
                 req.prefill("target", CachedModel(self.target_model))
@@ -450,6 +458,19 @@ class SpeculativeDecoder:
         result = req.result()
         logger.debug("generate done: %s", result.stats)
         return result
+
+    def _save_held(self, req: "_Request") -> None:
+        """Before the request writes over what its models' static caches hold (compiled.py), give the prompt cache
+        a copy: one entry, the longest sequence held, with each cache holding a prefix of it."""
+        models = {"draft": self.draft_model, "target": self.target_model}
+        overwritten = [(role, models[role].specdec_static) for role in req.roles
+                       if takes_static_cache(models[role], req.needed)
+                       and models[role].specdec_static.overwritten_by(req.ids)]
+        if not overwritten:
+            return
+        sequence = max((static.held for _, static in overwritten), key=len)
+        self.prompt_cache.put(sequence, {role: static.held_cache() for role, static in overwritten
+                                         if sequence[: len(static.held)] == static.held})
 
     def _keep(self, req: "_Request") -> None:
         """Give the request's caches to the prompt cache, holding the committed tokens but the newest (never fed):

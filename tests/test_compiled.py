@@ -1,10 +1,11 @@
 """The compiled static-cache path (specdec/compiled.py) on tiny transformers models, CPU inductor: samples follow
 the target's distribution for every method, drafter and verification rule (chi-square, as in test_exactness.py,
 with a deliberately wrong rule that must fail), greedy output equals eager target-only output, the static cache
-rolls back by position, serves one request at a time, and a request it cannot hold takes the dynamic cache. As
+rolls back by position, serves one request at a time, and a request it cannot hold takes the dynamic cache. With
 the prompt cache: a request starts from the prefix of its prompt that the static caches hold from the latest
-request (greedy equal to eager target-only without a cache; samples from a warm static cache follow the target's
-distribution).
+request, or that the prompt cache's copy holds (a request that writes over the static caches gives it one first):
+greedy equal to eager target-only without a cache, samples from a warm static cache and from a copy following the
+target's distribution.
 
 Compiling costs seconds per graph, so the module compiles one pair, once, on one worker."""
 
@@ -199,12 +200,13 @@ def test_a_request_starts_from_the_prefix_of_its_prompt_that_the_static_caches_h
     (draft, target), (fast_draft, fast_target) = greedy_pairs
     eager = SpeculativeDecoder(draft, target)
     compiled = SpeculativeDecoder(fast_draft, fast_target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
-    for method, drafter, rule in [("target", "model", "token"), ("draft", "model", "token"),
-                                  ("google", "model", "token"), ("deepmind", "hybrid", "block"),
-                                  ("google", "lookup", "block")]:
-        first = compiled.generate(CHAT, max_new_tokens=12, method=method, temperature=0, eos_token_id=[],
+    for start, (method, drafter, rule) in enumerate([("target", "model", "token"), ("draft", "model", "token"),
+                                                     ("google", "model", "token"), ("deepmind", "hybrid", "block"),
+                                                     ("google", "lookup", "block")]):
+        chat = [start + 1] + CHAT[1:]  # shares nothing with the others' sequences, which the prompt cache keeps
+        first = compiled.generate(chat, max_new_tokens=12, method=method, temperature=0, eos_token_id=[],
                                   drafter=drafter, verification=rule)
-        sequence = CHAT + first.token_ids
+        sequence = chat + first.token_ids
         role = fast_draft if method == "draft" else fast_target
         assert role.specdec_static.held == sequence[:-1]
         turn = sequence + [11, 12, 13]
@@ -214,6 +216,35 @@ def test_a_request_starts_from_the_prefix_of_its_prompt_that_the_static_caches_h
         reference = eager.generate(turn, max_new_tokens=12, method="draft" if method == "draft" else "target",
                                    temperature=0, eos_token_id=[])
         assert second.token_ids == reference.token_ids, (method, drafter, rule)
+
+
+@pytest.mark.parametrize("method, drafter, rule", [("target", "model", "token"), ("google", "model", "token"),
+                                                   ("deepmind", "hybrid", "block")])
+def test_conversations_taking_turns_each_find_theirs(greedy_pairs, method, drafter, rule):
+    """A request that writes over what the static caches hold first gives the prompt cache a copy; the next turn
+    of that conversation has it copied back in, and prefills only its new tokens. Greedy output is eager
+    target-only's without a cache."""
+    (draft, target), (fast_draft, fast_target) = greedy_pairs
+    eager = SpeculativeDecoder(draft, target)
+    compiled = SpeculativeDecoder(fast_draft, fast_target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
+    settings = {"max_new_tokens": 10, "method": method, "temperature": 0, "eos_token_id": [], "drafter": drafter,
+                "verification": rule}
+    for model in (fast_draft, fast_target):  # nothing held from the tests before (the models' caches outlive decoders)
+        model.specdec_static.claim(None)
+    conversations = {name: [start] + CHAT[1:] for name, start in (("a", 61), ("b", 62))}
+    for name, prompt in conversations.items():  # each first turn: nothing to start from
+        result = compiled.generate(prompt, **settings)
+        assert result.stats.cached_tokens == 0
+        conversations[name] = prompt + result.token_ids
+    assert len(compiled.prompt_cache) == 1  # a's, given when b's first turn wrote over it
+    for turn in range(2):
+        for name, sequence in conversations.items():
+            prompt = sequence + [70 + turn, 71]
+            result = compiled.generate(prompt, **settings)
+            assert result.stats.cached_tokens == len(sequence) - 1, (name, turn)
+            assert result.token_ids == eager.generate(prompt, max_new_tokens=10, method="target", temperature=0,
+                                                      eos_token_id=[]).token_ids
+            conversations[name] = prompt + result.token_ids
 
 
 def test_a_prompt_that_leaves_the_held_sequence_reuses_what_they_share(greedy_pairs):
@@ -263,7 +294,7 @@ def test_a_request_that_fails_mid_forward_leaves_nothing_held(greedy_pairs, monk
     monkeypatch.undo()
     assert fast_target.specdec_static.held == []
     result = compiled.generate(CHAT + [1, 2], max_new_tokens=8, temperature=0, eos_token_id=[])
-    assert result.stats.cached_tokens == 0
+    assert result.stats.cached_tokens == len(CHAT)  # the first request's copy (the failed one wrote over it)
     assert result.token_ids == SpeculativeDecoder(draft, target).generate(
         CHAT + [1, 2], max_new_tokens=8, method="target", temperature=0, eos_token_id=[]).token_ids
 
@@ -291,6 +322,31 @@ def test_a_sliding_window_cache_is_never_started_from_a_prefix():
     assert not static.reusable and static.claim(owner, CHAT) == 0
     static.hold(owner, CHAT)
     assert static.held == [] and static.claim(object(), CHAT) == 0
+
+
+# each draw from the prompt cache's copy: a request for another prompt between two draws wrote over the static
+# caches, after giving the prompt cache a copy, which the next draw has copied back in
+@pytest.mark.statistical
+@pytest.mark.parametrize("method, drafter, rule, setting", [("google", "model", "token", "t1"),
+                                                            ("deepmind", "hybrid", "block", "t0.8-topk5-topp0.9")])
+def test_compiled_samples_follow_target_distribution_from_the_prompt_caches_copy(compiled_pair, method, drafter,
+                                                                               rule, setting):
+    draft, target = compiled_pair
+    decoder = SpeculativeDecoder(draft, target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
+    temperature, top_k, top_p = SETTINGS[setting]
+    prompt, other = HYBRID_PROMPT, [7, 6, 5, 4]
+    counts, copied = {}, 0
+    for i in range(DRAFTER_SAMPLES):
+        decoder.generate(other, max_new_tokens=1, method=method, temperature=temperature, seed=10_000_019 + i,
+                         drafter=drafter, verification=rule)
+        result = decoder.generate(prompt, max_new_tokens=LENGTH, method=method, gamma=2, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, seed=37 * 1_000_003 + i, drafter=drafter,
+                                  verification=rule)
+        copied += result.stats.cached_tokens == len(prompt) - 1
+        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
+    assert copied >= DRAFTER_SAMPLES - 1  # the first draw found nothing
+    expected = exact_distribution(target, *SETTINGS[setting], prompt=prompt)
+    assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
 
 
 # every other draw leaves a one-token request's sequence (the prompt) held, taken whole; the others start from the

@@ -21,10 +21,11 @@ from specdec.kv_cache import CachedModel
 from tests.support.models import make_model, perturbed_copy
 from tests.test_exactness import (
     DRAFTER_SAMPLES,
-    LENGTH,
     SETTINGS,
     VOCAB,
     draw,
+    draw_warm,
+    every_other,
     exact_distribution,
     goodness_of_fit,
     plain_p,
@@ -333,19 +334,9 @@ def test_compiled_samples_follow_target_distribution_from_the_prompt_caches_copy
                                                                                rule, setting):
     draft, target = compiled_pair
     decoder = SpeculativeDecoder(draft, target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
-    temperature, top_k, top_p = SETTINGS[setting]
-    prompt, other = HYBRID_PROMPT, [7, 6, 5, 4]
-    counts, copied = {}, 0
-    for i in range(DRAFTER_SAMPLES):
-        decoder.generate(other, max_new_tokens=1, method=method, temperature=temperature, seed=10_000_019 + i,
-                         drafter=drafter, verification=rule)
-        result = decoder.generate(prompt, max_new_tokens=LENGTH, method=method, gamma=2, temperature=temperature,
-                                  top_k=top_k, top_p=top_p, seed=37 * 1_000_003 + i, drafter=drafter,
-                                  verification=rule)
-        copied += result.stats.cached_tokens == len(prompt) - 1
-        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
-    assert copied >= DRAFTER_SAMPLES - 1  # the first draw found nothing
-    expected = exact_distribution(target, *SETTINGS[setting], prompt=prompt)
+    counts = draw_warm(decoder, HYBRID_PROMPT, DRAFTER_SAMPLES, lambda i: ([7, 6, 5, 4], 1), seed=37,
+                       method=method, setting=setting, drafter=drafter, verification=rule)
+    expected = exact_distribution(target, *SETTINGS[setting], prompt=HYBRID_PROMPT)
     assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
 
 
@@ -361,20 +352,9 @@ def test_compiled_samples_follow_target_distribution_with_a_warm_static_cache(co
                                                                             setting, gamma):
     draft, target = compiled_pair
     decoder = SpeculativeDecoder(draft, target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
-    temperature, top_k, top_p = SETTINGS[setting]
-    prompt = HYBRID_PROMPT
-    counts, warm = {}, 0
-    for i in range(DRAFTER_SAMPLES):
-        if i % 2:
-            decoder.generate(prompt, max_new_tokens=1, method=method, gamma=gamma, temperature=temperature,
-                             seed=10_000_019 + i, drafter=drafter, verification=rule)
-        result = decoder.generate(prompt, max_new_tokens=LENGTH, method=method, gamma=gamma, temperature=temperature,
-                                  top_k=top_k, top_p=top_p, seed=31 * 1_000_003 + i, drafter=drafter,
-                                  verification=rule)
-        warm += result.stats.cached_tokens == len(prompt) - 1
-        counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
-    assert warm >= DRAFTER_SAMPLES - 1  # the first draw found nothing
-    expected = exact_distribution(target, *SETTINGS[setting], prompt=prompt)
+    counts = draw_warm(decoder, HYBRID_PROMPT, DRAFTER_SAMPLES, every_other(HYBRID_PROMPT), seed=31, method=method,
+                       setting=setting, gamma=gamma, drafter=drafter, verification=rule)
+    expected = exact_distribution(target, *SETTINGS[setting], prompt=HYBRID_PROMPT)
     assert goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
 
 

@@ -303,21 +303,35 @@ def test_samples_follow_target_distribution_with_a_warm_prompt_cache(close_pair,
     last token come from the cache, counted."""
     draft, target = close_pair
     decoder = SpeculativeDecoder(draft, target, prompt_cache_bytes=200_000)
+    counts = draw_warm(decoder, HYBRID_PROMPT, WARM_SAMPLES, every_other(HYBRID_PROMPT), seed=17, method=variant,
+                       setting=setting, gamma=gamma, drafter=drafter)
+    expected = exact_distribution(target, *SETTINGS[setting], prompt=HYBRID_PROMPT)
+    assert goodness_of_fit(counts, expected, WARM_SAMPLES) > 1e-3
+
+
+def every_other(prompt: list[int]):
+    """draw_warm's `before`: every other draw, a one-token request for the prompt, whose entry the draw takes whole
+    (the others start from the previous draw's sequence, of which they share the prompt)."""
+    return lambda i: ([prompt, 1] if i % 2 else None)
+
+
+def draw_warm(decoder, prompt: list[int], n: int, before, seed: int, method: str, setting: str, gamma=2,
+              **kwargs) -> dict[tuple, int]:
+    """Counts of n completions of `prompt`, each after `before(i)` (a request's [prompt, max_new_tokens], or
+    None), with the same settings and a seed of its own. Every draw but the first must start with all but the
+    prompt's last token cached (asserted)."""
     temperature, top_k, top_p = SETTINGS[setting]
-    prompt = HYBRID_PROMPT
     counts, warm = {}, 0
-    for i in range(WARM_SAMPLES):
-        if i % 2:
-            decoder.generate(prompt, max_new_tokens=1, method=variant, gamma=gamma, temperature=temperature,
-                             seed=10_000_019 + i, drafter=drafter)
-        result = decoder.generate(prompt, max_new_tokens=LENGTH, method=variant, gamma=gamma,
-                                  temperature=temperature, top_k=top_k, top_p=top_p, seed=17 * 1_000_003 + i,
-                                  drafter=drafter)
+    for i in range(n):
+        if (request := before(i)) is not None:
+            decoder.generate(request[0], max_new_tokens=request[1], method=method, gamma=gamma,
+                             temperature=temperature, seed=10_000_019 + i, **kwargs)
+        result = decoder.generate(prompt, max_new_tokens=LENGTH, method=method, gamma=gamma, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, seed=seed * 1_000_003 + i, **kwargs)
         warm += result.stats.cached_tokens == len(prompt) - 1
         counts[tuple(result.token_ids)] = counts.get(tuple(result.token_ids), 0) + 1
-    assert warm >= WARM_SAMPLES - 1  # the first draw found nothing
-    expected = exact_distribution(target, *SETTINGS[setting], prompt=prompt)
-    assert goodness_of_fit(counts, expected, WARM_SAMPLES) > 1e-3
+    assert warm >= n - 1  # the first draw found nothing
+    return counts
 
 
 # --- a logit bias ----------------------------------------------------------------------------------------------

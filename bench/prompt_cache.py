@@ -23,6 +23,7 @@ and answer the next prompt repeats token for token.
 
     python -m bench.prompt_cache --out bench/results/prompt-cache          # the default pair (`make models`)
     python -m bench.prompt_cache --tiny --out /tmp/prompt-cache            # the tests' tiny pair
+    python -m bench.prompt_cache --tiny --compile true --out /tmp/pc       # its compiled static-cache path
 """
 
 import argparse
@@ -333,6 +334,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget", type=int, default=None, help="prompt cache bytes (default: as the service)")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", default="auto", help="the pair's dtype, as load_pair takes it")
+    parser.add_argument("--compile", choices=("true", "false"), default="false",
+                        help="the compiled static-cache path: each model's static cache holds the latest sequence, "
+                             "the prompt cache a copy of what a request writes over")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -347,8 +351,13 @@ def main(argv=None) -> dict:
         target = make_model("llama", seed=0, initializer_range=0.1, vocab_size=100, context=16_384,
                             eos_token_id=tokenizer.convert_tokens_to_ids("<eos>"))
         draft = perturbed_copy(target, noise=0.3)
+        if args.compile == "true":
+            from specdec.compiled import compile_model
+
+            for model in (draft, target):
+                compile_model(model, target.device)
     else:
-        draft, target, tokenizer = load_pair(dtype=args.dtype, compile=False)
+        draft, target, tokenizer = load_pair(dtype=args.dtype, compile=args.compile == "true")
     if args.budget is not None:
         budget = args.budget
     elif args.tiny:  # the service's default would be the tiny weights' size: less than an entry
@@ -357,8 +366,7 @@ def main(argv=None) -> dict:
         budget = default_budget(weights_bytes(draft, target), memory_bytes(target.device))
     decoder = SpeculativeDecoder(draft, target, tokenizer, prompt_cache_bytes=budget)
     decoder.generate(tokenizer.encode("Hello", add_special_tokens=False)[:1] or [0], max_new_tokens=2,
-                     temperature=0)  # warm-up (the cache is still empty: an entry of two tokens)
-    decoder.prompt_cache.clear()
+                     temperature=0, cache_prompt=False)  # warm-up: nothing kept
     loaded = resident_bytes()
     started = time.perf_counter()
     runs = run_workloads(decoder, tokenizer, args)

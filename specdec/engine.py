@@ -438,8 +438,9 @@ class SpeculativeDecoder:
 
     def _run(self, req: "_Request", probs: "_Warper"):
         params = req.params
-        if req.cache_prompt:  # here, on the engine's thread, when decoding starts
+        if self.prompt_cache.enabled:  # here, on the engine's thread, when decoding starts
             self._save_held(req)
+        if req.cache_prompt:
             req.reused = self.prompt_cache.take(req.ids)
             req.cached_tokens = 0  # its decoding model's cache says how many, once made (_Request.cache_for)
         try:
@@ -461,11 +462,14 @@ class SpeculativeDecoder:
 
     def _save_held(self, req: "_Request") -> None:
         """Before the request writes over what its models' static caches hold (compiled.py), give the prompt cache
-        a copy: one entry, the longest sequence held, with each cache holding a prefix of it."""
+        a copy: one entry, the longest sequence held, with each cache holding a prefix of it. A request that does
+        not read the prompt cache (`cache_prompt` false, prompt logprobs) writes over all of it."""
+        if req.max_new_tokens == 0:  # the prompt scored alone, on a dynamic cache
+            return
         models = {"draft": self.draft_model, "target": self.target_model}
         overwritten = [(role, models[role].specdec_static) for role in req.roles
                        if takes_static_cache(models[role], req.needed)
-                       and models[role].specdec_static.overwritten_by(req.ids)]
+                       and models[role].specdec_static.overwritten_by(req.ids if req.cache_prompt else [])]
         if not overwritten:
             return
         sequence = max((static.held for _, static in overwritten), key=len)

@@ -194,6 +194,12 @@ PROMPT_CACHE_BYTES = 10_000_000
 CHAT = [5, 17, 42, 8, 99, 3, 5, 17, 42, 8]
 
 
+def forget_held(*models) -> None:
+    """Nothing held from the tests before (a model's static cache outlives the decoders built on it)."""
+    for model in models:
+        model.specdec_static.claim(None)
+
+
 def test_a_request_starts_from_the_prefix_of_its_prompt_that_the_static_caches_hold(greedy_pairs):
     """A conversation's next turn (the last answer and new text after it): the static caches held the last
     request's sequence but its newest token, so only the rest is prefilled; the tokens are eager target-only's
@@ -230,8 +236,7 @@ def test_conversations_taking_turns_each_find_theirs(greedy_pairs, method, draft
     compiled = SpeculativeDecoder(fast_draft, fast_target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
     settings = {"max_new_tokens": 10, "method": method, "temperature": 0, "eos_token_id": [], "drafter": drafter,
                 "verification": rule}
-    for model in (fast_draft, fast_target):  # nothing held from the tests before (the models' caches outlive decoders)
-        model.specdec_static.claim(None)
+    forget_held(fast_draft, fast_target)
     conversations = {name: [start] + CHAT[1:] for name, start in (("a", 61), ("b", 62))}
     for name, prompt in conversations.items():  # each first turn: nothing to start from
         result = compiled.generate(prompt, **settings)
@@ -261,16 +266,21 @@ def test_a_prompt_that_leaves_the_held_sequence_reuses_what_they_share(greedy_pa
     assert again.stats.cached_tokens == len(other) - 1 and again.token_ids == result.token_ids
 
 
-def test_without_the_prompt_cache_a_request_starts_from_an_empty_static_cache_and_leaves_nothing(greedy_pairs):
-    """cache_prompt false, prompt logprobs (a full prefill) or the prompt cache off: nothing is read, and what
-    the caches held is gone (the request wrote over it)."""
+def test_a_request_that_does_not_read_the_prompt_cache_starts_from_an_empty_static_cache(greedy_pairs):
+    """cache_prompt false, prompt logprobs (a full prefill) or the prompt cache off: nothing is read, and the
+    request writes over what the static caches held, leaving nothing held; with the prompt cache on, it first
+    gives it a copy, which the next request finds."""
     _, (fast_draft, fast_target) = greedy_pairs
-    compiled = SpeculativeDecoder(fast_draft, fast_target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
     for kwargs in ({"cache_prompt": False}, {"prompt_logprobs": 0}):
-        compiled.generate(CHAT, max_new_tokens=8, temperature=0, eos_token_id=[])
-        assert fast_target.specdec_static.held
+        forget_held(fast_draft, fast_target)
+        compiled = SpeculativeDecoder(fast_draft, fast_target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
+        first = compiled.generate(CHAT, max_new_tokens=8, temperature=0, eos_token_id=[])
+        assert fast_target.specdec_static.held and not len(compiled.prompt_cache)
         result = compiled.generate(CHAT, max_new_tokens=8, temperature=0, eos_token_id=[], **kwargs)
         assert result.stats.cached_tokens is None and fast_target.specdec_static.held == []
+        assert len(compiled.prompt_cache) == 1
+        again = compiled.generate(CHAT + first.token_ids, max_new_tokens=8, temperature=0, eos_token_id=[])
+        assert again.stats.cached_tokens == len(CHAT) + len(first.token_ids) - 1
     SpeculativeDecoder(fast_draft, fast_target).generate(CHAT, max_new_tokens=8, temperature=0, eos_token_id=[])
     assert fast_target.specdec_static.held == [] and fast_draft.specdec_static.held == []
 

@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from specdec import SpecDecError, SpeculativeDecoder
 from specdec.compiled import MAX_WIDTH, StaticCachedModel, cache_for, compile_model, resolve_compile
@@ -251,6 +252,35 @@ def test_conversations_taking_turns_each_find_theirs(greedy_pairs, method, draft
             assert result.token_ids == eager.generate(prompt, max_new_tokens=10, method="target", temperature=0,
                                                       eos_token_id=[]).token_ids
             conversations[name] = prompt + result.token_ids
+
+
+@pytest.mark.parametrize("method, drafter, rule", [("google", "model", "token"), ("deepmind", "hybrid", "block")])
+def test_what_the_static_caches_hold_and_their_copies_are_the_keys_of_their_tokens(greedy_pairs, method, drafter,
+                                                                                 rule):
+    """After speculative requests with rejections (the draft fed proposals the target refused), each static cache
+    holds, layer by layer, the keys and values of the tokens it says it holds, and so do the prompt cache's copies
+    of them: a wrong draft cache would not change greedy output or the distribution, only acceptance."""
+    from tests.test_prompt_cache import assert_entries_hold_their_tokens
+
+    _, (fast_draft, fast_target) = greedy_pairs
+    forget_held(fast_draft, fast_target)
+    compiled = SpeculativeDecoder(fast_draft, fast_target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
+    for start in (71, 72):
+        result = compiled.generate([start] + CHAT[1:], max_new_tokens=16, method=method, temperature=0.9, seed=3,
+                                   eos_token_id=[], drafter=drafter, verification=rule)
+        assert result.stats.accepted < result.stats.proposed  # some proposals were refused
+    assert len(compiled.prompt_cache) == 1  # the first request's, copied when the second wrote over it
+    assert_entries_hold_their_tokens(compiled)
+    for model in (fast_draft, fast_target):
+        static = model.specdec_static
+        held = len(static.held)
+        assert held and int(static.cache.get_seq_length()) == held
+        fresh = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([static.held]), cache=fresh, use_cache=True)
+        for kept, recomputed in zip(static.cache.layers, fresh.layers):
+            assert torch.allclose(kept.keys[:, :, :held], recomputed.keys, atol=1e-4)
+            assert torch.allclose(kept.values[:, :, :held], recomputed.values, atol=1e-4)
 
 
 def test_a_prompt_that_leaves_the_held_sequence_reuses_what_they_share(greedy_pairs):

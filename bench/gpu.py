@@ -191,7 +191,34 @@ def stage_in_process(run: Run, compiled: bool) -> dict:
     ids = encode_prompt(tokenizer, overhead.PROMPT, False)
     for method in overhead.METHODS:
         row[method] = overhead.repeated(overhead.in_process, run.args.repeats, decoder, ids, method, run.args.tokens)
+    if compiled and all(row["compiled"]):
+        row["next_turn"] = next_turn(draft, target, tokenizer, run.args.repeats)
     return row
+
+
+def next_turn(draft, target, tokenizer, repeats: int, new_tokens: int = 8) -> dict:
+    """The compiled path's prompt cache: a conversation's next turn (its history, up to 900 tokens, then a short
+    question), Google greedy, the time to its first token and the tokens cached, medians of `repeats`: starting
+    from what the last request left in the static caches (`held`), from the prompt cache's copy (a request for
+    another prompt in between wrote over the static caches: `copy`), and prefilled whole (`none`)."""
+    decoder = SpeculativeDecoder(draft, target, tokenizer, prompt_cache_bytes=1 << 30)
+    room = min(model.specdec_static.max_len for model in (draft, target))
+    question = encode_prompt(tokenizer, "\nAnd the same in Rust?", False)
+    history = (encode_prompt(tokenizer, overhead.PROMPT, False) * 1000)[: min(900, room // 2)]
+    turn, other = history + question, question * 4
+    settings = {"max_new_tokens": new_tokens, "method": "google", "gamma": 4, "temperature": 0.0}
+    runs: dict[str, list] = {"held": [], "copy": [], "none": []}
+    for _ in range(repeats):
+        for path in runs:
+            decoder.generate(history, max_new_tokens=1, temperature=0.0)  # the last turn: leaves the history held
+            decoder.prompt_cache.clear()  # no copy of an earlier turn (which holds more than the history)
+            if path == "copy":
+                decoder.generate(other, max_new_tokens=1, temperature=0.0)
+            stats = decoder.generate(turn, cache_prompt=path != "none", **settings).stats
+            runs[path].append((stats.first_chunk_seconds, stats.cached_tokens or 0))
+    return {"prompt_tokens": len(turn),
+            **{path: {"first_token_seconds": statistics.median(seconds for seconds, _ in rows),
+                      "cached_tokens": rows[-1][1]} for path, rows in runs.items()}}
 
 
 def stage_hf(run: Run) -> dict:

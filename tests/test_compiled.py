@@ -14,7 +14,6 @@ import random
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from specdec import SpecDecError, SpeculativeDecoder
 from specdec.compiled import MAX_WIDTH, StaticCachedModel, cache_for, compile_model, resolve_compile
@@ -260,7 +259,7 @@ def test_what_the_static_caches_hold_and_their_copies_are_the_keys_of_their_toke
     """After speculative requests with rejections (the draft fed proposals the target refused), each static cache
     holds, layer by layer, the keys and values of the tokens it says it holds, and so do the prompt cache's copies
     of them: a wrong draft cache would not change greedy output or the distribution, only acceptance."""
-    from tests.test_prompt_cache import assert_entries_hold_their_tokens
+    from tests.test_prompt_cache import assert_entries_hold_their_tokens, assert_holds
 
     _, (fast_draft, fast_target) = greedy_pairs
     forget_held(fast_draft, fast_target)
@@ -275,12 +274,8 @@ def test_what_the_static_caches_hold_and_their_copies_are_the_keys_of_their_toke
         static = model.specdec_static
         held = len(static.held)
         assert held and int(static.cache.get_seq_length()) == held
-        fresh = DynamicCache(config=model.config)
-        with torch.no_grad():
-            model(input_ids=torch.tensor([static.held]), cache=fresh, use_cache=True)
-        for kept, recomputed in zip(static.cache.layers, fresh.layers):
-            assert torch.allclose(kept.keys[:, :, :held], recomputed.keys, atol=1e-4)
-            assert torch.allclose(kept.values[:, :, :held], recomputed.values, atol=1e-4)
+        assert_holds(model, static.held,
+                     [(layer.keys[:, :, :held], layer.values[:, :, :held]) for layer in static.cache.layers])
 
 
 def test_a_prompt_that_leaves_the_held_sequence_reuses_what_they_share(greedy_pairs):

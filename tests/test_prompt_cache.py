@@ -46,16 +46,22 @@ def assert_entries_hold_their_tokens(dec) -> None:
     a fresh forward over those ids (equal up to rounding; other tokens would differ by far more)."""
     for entry in dec.prompt_cache.entries():
         for role, cache in entry.caches.items():
-            model = dec.target_model if role == "target" else dec.draft_model
             length = cache.get_seq_length()
             assert 0 < length <= len(entry.token_ids)
-            fresh = DynamicCache(config=model.config)
-            with torch.no_grad():
-                model(input_ids=torch.tensor([entry.token_ids[:length]]), cache=fresh, use_cache=True)
-            for kept, recomputed in zip(cache.layers, fresh.layers):
-                assert kept.keys.shape == recomputed.keys.shape
-                assert torch.allclose(kept.keys, recomputed.keys, atol=1e-4)
-                assert torch.allclose(kept.values, recomputed.values, atol=1e-4)
+            assert_holds(dec.target_model if role == "target" else dec.draft_model, entry.token_ids[:length],
+                         [(layer.keys, layer.values) for layer in cache.layers])
+
+
+def assert_holds(model, token_ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """`layers`, each (keys, values), are the model's keys and values of `token_ids`: compared with a fresh forward
+    over them (equal up to rounding; other tokens would differ by far more)."""
+    fresh = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([token_ids]), cache=fresh, use_cache=True)
+    for (keys, values), recomputed in zip(layers, fresh.layers, strict=True):
+        assert keys.shape == recomputed.keys.shape
+        assert torch.allclose(keys, recomputed.keys, atol=1e-4)
+        assert torch.allclose(values, recomputed.values, atol=1e-4)
 
 
 # --- the pure parts --------------------------------------------------------------------------------------------

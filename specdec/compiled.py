@@ -3,10 +3,10 @@ forwards of a few tokens (the draft's step, the target's verification) compiled 
 
 gpt-fast's answer to rounds bound by per-operation overhead rather than bytes (a GPU, or a small pair): one
 `StaticCache` per model, sized at load time and reused by each request in turn (batch size 1, one request at a
-time), and one compiled graph per forward width (inductor on CPU; `reduce-overhead`, CUDA graphs, on CUDA).
-After width 1, torch.compile makes the width dynamic, so two compilations serve every width up to `max_width`;
-wider forwards (a prompt's prefill) run eagerly on the same cache. A request that could outgrow the cache uses the
-dynamic cache (kv_cache.CachedModel) instead.
+time), and one compiled graph per forward width (inductor, its wrapper in C++, on CPU; `reduce-overhead`, CUDA
+graphs, on CUDA). After width 1, torch.compile makes the width dynamic, so two compilations serve every width up to
+`max_width`; wider forwards (a prompt's prefill) run eagerly on the same cache. A request that could outgrow the
+cache uses the dynamic cache (kv_cache.CachedModel) instead.
 
 The static cache also serves the prompt cache: a request that keeps its caches (the prompt cache on, and
 `cache_prompt`) leaves its committed tokens' keys and values in it (`StaticDecoding.held`), and the next request
@@ -80,6 +80,11 @@ class StaticDecoding:
         options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
         if cuda_graphs:
             options["triton.cudagraphs"] = True  # mode "reduce-overhead", which cannot be named beside options
+        elif input_device(model).type == "cpu":
+            # the graph's wrapper in C++, not Python: one call from Python a step, not one per kernel, with the GIL
+            # released inside it (the tiny pair's compiled target-only decode 7,676 against 5,660 tokens/s,
+            # Google 1,859 against 1,410: bench/README.md, "Rounds bound by overhead")
+            options["cpp_wrapper"] = True
         self.step = torch.compile(own, fullgraph=True, options=options)
 
     def claim(self, owner: object, prompt: list[int] | None = None, reused: DynamicCache | None = None) -> int:

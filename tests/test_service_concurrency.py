@@ -105,6 +105,28 @@ def test_ahead_does_not_make_a_full_outbox_wait_out_the_interval():
     assert seconds < 2.5, (seconds, len(batches))
 
 
+def test_ahead_runs_up_to_most_items_ahead_while_the_consumer_keeps_its_interval():
+    """Items faster than `depth` an interval go out an interval at a time while the consumer keeps it (the
+    engine thread runs up to `most` ahead), not `depth` at a time with a wake-up each."""
+    kept_up, by_depth = EngineThread(), EngineThread()
+    batches = list(kept_up.ahead(_rounds([], 40), depth=4, interval=0.3, most=40))
+    assert "".join(batches) == "".join(f"<{i}>" for i in range(40))
+    assert len(batches) <= 3, batches  # the first item, then the rest made within the interval
+    assert len(list(by_depth.ahead(_rounds([], 40), depth=4, interval=0.3))) >= 10  # `most` defaults to depth
+
+
+def test_ahead_stays_within_depth_of_a_consumer_late_by_more_than_its_interval():
+    """A consumer that takes nothing for longer than its interval (a client that reads slowly, or has gone)
+    stops the work at `depth` untaken items, whatever `most`: past the interval nothing more is made."""
+    engine, made = EngineThread(), []
+    batches = engine.ahead(_rounds(made, 100, seconds=0.01), depth=3, interval=0.05, most=100)
+    taken = next(batches).count("<")
+    time.sleep(0.5)  # late by ten intervals: about 50 items would be made without the bound
+    ahead = len(made) - taken
+    assert 3 <= ahead <= 3 + 0.05 / 0.01 + 2, ahead  # depth, or what one interval made, and no more
+    batches.close()
+
+
 def test_ahead_converts_each_item_on_the_consumers_side():
     engine = EngineThread()
     engine_thread = engine.call(threading.get_ident)

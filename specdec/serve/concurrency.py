@@ -71,19 +71,20 @@ class EngineThread:
             watcher.stop()
 
     def ahead(self, items: Iterator, depth: int, interval: float = 0.0,
-              convert: Callable[[object], str] | None = None) -> Iterator[str]:
+              convert: Callable[[object], str] | None = None, most: int | None = None) -> Iterator[str]:
         """The strings of `items` (or `convert(item)` of each, computed by the caller as it takes them), the items
         computed on the engine thread ahead of the caller, who gets them in order: the
-        engine thread never waits for the caller to send one, unless `depth` are untaken (so that a client that
-        reads slowly, or has gone, stops the work within `depth` items). The caller takes at most one batch every
+        engine thread never waits for the caller to send one, unless `depth` are untaken and the caller is late
+        (it last took more than `interval` seconds ago: a client that reads slowly, or has gone, stops the work
+        within `depth` items), or `most` (default `depth`) are untaken. The caller takes at most one batch every
         `interval` seconds, the strings ready then joined into one; it is woken only while it waits for one, so
         the engine thread wakes it once a batch at most, not once a string.
 
         Closing the returned iterator (the caller stopped: a client gone) stops the work before its next item and
         closes `items` on the engine thread, and returns once it has. An exception in `items` is raised here."""
-        outbox = _Outbox(depth)
+        outbox = _Outbox(depth, interval, most)
         self.submit(outbox.fill, items)
-        return outbox.drain(interval, convert)
+        return outbox.drain(convert)
 
     def submit(self, fn: Callable, *args) -> None:
         """Start fn(*args) on the engine thread and return at once (fn reports its own outcome)."""
@@ -128,12 +129,15 @@ class EngineThread:
 class _Outbox:
     """Strings passed from the engine thread (`fill`) to one caller (`drain`): a deque; a wake-up for the caller
     while it waits (gevent's async watcher under gevent, else an event); and a native lock that the engine thread
-    waits on while `depth` strings are untaken."""
+    waits on while it has no room (`_room`)."""
 
-    def __init__(self, depth: int):
-        self.depth = depth
+    def __init__(self, depth: int, interval: float = 0.0, most: int | None = None):
+        self.depth, self.interval = depth, interval
+        self.most = max(depth, most or depth)
         self._items: deque = deque()  # strings, then an _End
         self._space = os_lock()  # released by the caller when it takes: the engine thread may go on
+        self._taken_at = time.monotonic()  # when the caller last took (or the outbox was made)
+        self._full = False  # the engine thread waits for room: the caller takes at once, not after its interval
         self._waiting = False  # the caller waits: the next item wakes it
         self.cancelled = False  # set by the caller: the engine thread stops before its next item
         if gevent_patched():
@@ -148,8 +152,16 @@ class _Outbox:
             self._ready, self._watcher = threading.Event(), None
             self._wake = self._ready.set
 
+    def _room(self) -> bool:
+        """Whether the engine thread may make another item: fewer than `depth` untaken, or fewer than `most` while
+        the caller keeps its interval (rounds faster than `depth` an interval then go out an interval at a time,
+        not `depth` at a time: bench/README.md, "Rounds bound by overhead")."""
+        untaken = len(self._items)
+        return untaken < self.depth or (untaken < self.most
+                                        and time.monotonic() - self._taken_at <= self.interval)
+
     def fill(self, items: Iterator[str]) -> None:
-        """On the engine thread: compute the items, keep at most `depth` untaken, end with the marker."""
+        """On the engine thread: compute the items while there is room (`_room`), end with the marker."""
         ending = _End()
         try:
             while not self.cancelled:
@@ -158,13 +170,15 @@ class _Outbox:
                 except StopIteration:
                     break
                 self._put(item)
-                while len(self._items) >= self.depth and not self.cancelled:
+                while not self._room() and not self.cancelled:
                     self._space.acquire(blocking=False)  # cleared, then taken again when the caller takes
-                    if len(self._items) >= self.depth and not self.cancelled:
-                        # full: the caller takes now, not at the end of its interval (else rounds faster than
-                        # `depth` an interval would wait for it: 16 rounds each 5 ms caps a stream at 3,200/s)
+                    if not self._room() and not self.cancelled:
+                        # no room: the caller takes now, not at the end of its interval (else rounds faster than
+                        # `most` an interval would wait for it: 16 rounds each 5 ms caps a stream at 3,200/s)
+                        self._full = True
                         self._wake()
                         self._space.acquire(timeout=IDLE_TURN_SECONDS)
+                        self._full = False
             if hasattr(items, "close"):
                 items.close()  # a generator stopped early runs its own clean-up here, on the engine thread
         except BaseException as error:  # noqa: BLE001 - raised in the caller
@@ -180,7 +194,7 @@ class _Outbox:
         """On the caller's side: wait out the interval, unless the end comes first (the last events go at once)
         or the engine thread has filled the outbox (and waits for room)."""
         self._ready.clear()
-        if not (self._items and isinstance(self._items[-1], _End)) and len(self._items) < self.depth:
+        if not (self._items and isinstance(self._items[-1], _End)) and not self._full:
             self._ready.wait(seconds)
 
     def _await(self, timeout: float | None = None) -> None:
@@ -193,10 +207,10 @@ class _Outbox:
         finally:
             self._waiting = False
 
-    def drain(self, interval: float, convert: Callable[[object], str] | None = None) -> Iterator[str]:
+    def drain(self, convert: Callable[[object], str] | None = None) -> Iterator[str]:
         """On the caller's side: the strings as they come (each item through `convert`, if given), those ready
         together joined, one batch at most every `interval` seconds."""
-        ending = None
+        interval, ending = self.interval, None
         try:
             while True:
                 taken = []
@@ -207,6 +221,7 @@ class _Outbox:
                     else:
                         taken.append(item if convert is None else convert(item))
                 if taken:
+                    self._taken_at, self._full = time.monotonic(), False
                     _release(self._space)
                     sent = time.monotonic()
                     if joined := "".join(taken):

@@ -20,8 +20,11 @@ from ..stats import GenerationStats
 from ..text import Completion
 from .errors import to_api_error
 
-# Rounds a stream's engine thread may decode beyond those its sender has taken (Generation.rounds).
+# Rounds a stream's engine thread may decode beyond those its sender has taken (Generation.rounds): READ_AHEAD
+# once the sender is late (it has not taken any for a stream interval: a slow or departed client), up to
+# READ_AHEAD_MOST while it keeps its interval (rounds faster than READ_AHEAD an interval go out an interval at a time)
 READ_AHEAD = 16
+READ_AHEAD_MOST = 64
 
 
 class Generation:
@@ -148,8 +151,8 @@ class Generation:
 
     def rounds(self, render: Callable[[list[dict]], str | Iterable[str]]) -> Iterator[str]:
         """A stream's rounds, each rendered by `render(kept)` (its event, or several), decoded on the engine thread
-        ahead of the sender, at most READ_AHEAD rounds: the engine thread never waits for the request's greenlet
-        to send a round, and rounds decoded while it sent go out together.
+        ahead of the sender (READ_AHEAD rounds, more while it keeps its interval): the engine thread never waits
+        for the request's greenlet to send a round, and rounds decoded while it sent go out together.
 
         With stop strings, each round's text is assembled and rendered on the engine thread as it is decoded, so
         that decoding stops at the round that completes one; until this ends, only the engine thread touches the
@@ -163,7 +166,7 @@ class Generation:
                 while (kept := self.step()) is not None:
                     yield _joined(render(kept))
 
-            return self.service.engine.ahead(rendered(), READ_AHEAD, interval)
+            return self.service.engine.ahead(rendered(), READ_AHEAD, interval, most=READ_AHEAD_MOST)
         return self._rendered_by_sender(render, interval)
 
     def _rendered_by_sender(self, render, interval: float) -> Iterator[str]:
@@ -176,7 +179,7 @@ class Generation:
             chunk, self.final = item
             return _joined(render(self._feed(chunk)))
 
-        yield from self.service.engine.ahead(decoded(), READ_AHEAD, interval, rendered)
+        yield from self.service.engine.ahead(decoded(), READ_AHEAD, interval, rendered, READ_AHEAD_MOST)
         self.completion.finish()  # decoding has ended (not reached when the client has gone)
 
     def finish_reason(self) -> str | None:

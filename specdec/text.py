@@ -9,28 +9,53 @@ and feed each committed chunk to a Detokenizer or a Completion.
 import functools
 from collections.abc import Callable, Iterable, Sequence
 
+from jinja2 import TemplateError, TemplateSyntaxError
+
 from .errors import SpecDecError
 
 PROMPT_CONTEXT = 6  # prompt tokens decoded along with the first new ones, so a leading space survives
 
 
-def encode_messages(tokenizer, messages: Sequence[dict], tools: list[dict] | None = None) -> list[int]:
+def encode_messages(tokenizer, messages: Sequence[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    add_special_tokens: bool = False) -> list[int]:
     """Token ids of chat messages ({"role", "content"} with string content, an assistant's "tool_calls") through
-    the tokenizer's chat template, with the generation prompt added: ready for the assistant's reply. `tools`
-    (OpenAI's function tools) go to the template, which writes them into the prompt."""
+    the tokenizer's chat template, by default with the generation prompt added: ready for the assistant's reply.
+    `tools` (OpenAI's function tools) go to the template, which writes them into the prompt. With
+    `continue_final_message` the last message stays open (the reply continues it: it must be the assistant's),
+    without the generation prompt; `add_special_tokens` adds the tokenizer's own (a BOS the template may have
+    written already). A template that refuses the conversation (its `raise_exception`: roles out of order, a
+    role it does not know) is a SpecDecError naming `messages`."""
     if not getattr(tokenizer, "chat_template", None):
         raise SpecDecError("the target's tokenizer has no chat template", field="chat")
-    text = tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
+    if continue_final_message and add_generation_prompt:
+        raise SpecDecError("continue_final_message and add_generation_prompt exclude each other",
+                           field="continue_final_message")
+    if continue_final_message and (not messages or messages[-1].get("role") != "assistant"):
+        raise SpecDecError("continue_final_message continues the last message, which must be the assistant's",
+                           field="continue_final_message")
+    try:
+        text = tokenizer.apply_chat_template(list(messages), tools=tools or None, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message)
+    except TemplateSyntaxError:
+        raise  # the served template itself is broken: the server's fault, not the request's
+    except TemplateError as error:
+        raise SpecDecError(f"the chat template refused these messages: {error}", field="messages") from None
+    except ValueError as error:  # continue_final_message where the template does not write the message out whole
+        if not continue_final_message:
+            raise
+        raise SpecDecError(f"the chat template cannot continue the last message: {error}",
+                           field="continue_final_message") from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
-    """Token ids of a prompt: as plain text (with the tokenizer's special tokens), or with `chat` as one user
-    turn in the chat template."""
+def encode_prompt(tokenizer, text: str, chat: bool = False, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a prompt: as plain text (with the tokenizer's special tokens, unless not
+    `add_special_tokens`), or with `chat` as one user turn in the chat template."""
     if chat:
         return encode_messages(tokenizer, [{"role": "user", "content": text}])
-    return tokenizer.encode(text, add_special_tokens=True)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 # fill-in-the-middle's (prefix, suffix, middle) tokens, as model families spell them: Qwen2.5-Coder's (and

@@ -121,6 +121,25 @@ def test_chat_answer_goes_through_the_chat_template(client, service):
     assert body["usage"]["completion_tokens"] <= 8 and choice["speculative_decoding_stats"]["method"] == "google"
 
 
+def test_chat_continues_the_assistants_message_it_was_given(client, service):
+    """continue_final_message (vLLM's): the answer continues the last message, the prompt being the conversation
+    with that message left open, as /tokenize shows it; greedy, it equals a completion of those very tokens."""
+    begun = MESSAGES + [{"role": "assistant", "content": "The answer is"}]
+    body = chat(client, messages=begun, continue_final_message=True, max_completion_tokens=8, temperature=0)
+    assert body.status_code == 200, body.get_data(as_text=True)
+    answer = body.get_json()
+    prompt = client.post("/tokenize", json={"messages": begun, "continue_final_message": True}).get_json()["tokens"]
+    assert service.tokenizer.decode(prompt).endswith("<bos>assistant: The answer is")
+    assert answer["usage"]["prompt_tokens"] == len(prompt)
+    plain = complete(client, prompt=prompt, max_tokens=8, temperature=0).get_json()["choices"][0]
+    assert answer["choices"][0]["message"]["content"] == plain["text"]
+    opened = chat(client, messages=begun, max_completion_tokens=8, temperature=0).get_json()  # a new turn instead
+    assert opened["usage"]["prompt_tokens"] > len(prompt)
+    not_assistants = chat(client, continue_final_message=True, max_completion_tokens=8)
+    assert not_assistants.status_code == 400
+    assert not_assistants.get_json()["error"]["param"] == "continue_final_message"
+
+
 @pytest.mark.parametrize("method, gamma", [("google", 4), ("deepmind", 2), ("google", None)])
 def test_greedy_equals_target_only_greedy(client, method, gamma):
     target_only = client.post("/predict", json={"prompt": PROMPT, "temperature": 0, "max_new_tokens": 40,

@@ -2,7 +2,10 @@
 /v1/completions encodes it, a conversation with its tools as /v1/chat/completions does), counted whatever their
 length; detokenize inverts them; bad requests are OpenAI-shaped 400s naming the field."""
 
+import copy
+
 import pytest
+from tokenizers import processors
 
 from tests.support.models import CHAT_TEMPLATE, make_app
 
@@ -65,6 +68,62 @@ def test_a_conversation_becomes_the_tokens_chat_completions_feed_the_model(clien
         assert body["count"] > tokenize(client, messages=MESSAGES)["count"]  # the template wrote the tools in
 
 
+@pytest.fixture(scope="module")
+def bos_app(pair):
+    """The service over the tiny pair, its tokenizer adding a BOS to what it encodes with special tokens."""
+    draft, target, tokenizer = pair
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tokenizer.convert_tokens_to_ids("<bos>"))])
+    return make_app((draft, target, tokenizer))
+
+
+def test_add_special_tokens_adds_the_tokenizers_own_to_a_prompt_or_a_conversation(bos_app):
+    client, tokenizer = bos_app.test_client(), bos_app.extensions["specdec"].tokenizer
+    bos = tokenizer.convert_tokens_to_ids("<bos>")
+    plain = tokenizer.encode(PROMPT, add_special_tokens=False)
+    assert tokenize(client, prompt=PROMPT)["tokens"] == [bos, *plain]  # as /v1/completions encodes it
+    assert tokenize(client, prompt=PROMPT, add_special_tokens=True)["tokens"] == [bos, *plain]
+    assert tokenize(client, prompt=PROMPT, add_special_tokens=False)["tokens"] == plain
+    conversation = tokenize(client, messages=MESSAGES)["tokens"]  # the template writes its own <bos>s
+    assert conversation == tokenize(client, messages=MESSAGES, add_special_tokens=False)["tokens"]
+    assert tokenize(client, messages=MESSAGES, add_special_tokens=True)["tokens"] == [bos, *conversation]
+    completion = client.post("/v1/completions", json={"model": "target", "prompt": PROMPT, "max_tokens": 1})
+    assert completion.get_json()["usage"]["prompt_tokens"] == len(plain) + 1
+
+
+def test_the_assistants_turn_is_opened_or_its_last_message_continued(client, app):
+    tokenizer = app.extensions["specdec"].tokenizer
+
+    def text(**body):
+        return tokenizer.decode(tokenize(client, **body)["tokens"])
+
+    opened = "<bos>system: Be brief.\n<bos>user: " + PROMPT + "\n"
+    assert text(messages=MESSAGES) == opened + "<bos>assistant: "  # CHAT_TEMPLATE's generation prompt
+    assert text(messages=MESSAGES, add_generation_prompt=False) == opened
+    begun = MESSAGES + [{"role": "assistant", "content": "The answer is"}]
+    assert text(messages=begun, continue_final_message=True) == opened + "<bos>assistant: The answer is"
+    assert text(messages=begun, continue_final_message=True, add_generation_prompt=False) == (
+        opened + "<bos>assistant: The answer is")
+    assert text(messages=begun) == opened + "<bos>assistant: The answer is\n<bos>assistant: "
+
+
+def test_a_chat_templates_refusal_is_a_400_naming_the_messages(pair):
+    """A template's raise_exception (roles out of order, say) is the request's fault, not the server's."""
+    draft, target, tokenizer = pair
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('the user speaks first') }}"
+                               "{% endif %}" + CHAT_TEMPLATE)
+    client = make_app((draft, target, tokenizer)).test_client()
+    refused = [{"role": "assistant", "content": "hi"}]
+    for path, body in (("/tokenize", {"messages": refused}),
+                       ("/v1/chat/completions", {"model": "target", "messages": refused, "max_tokens": 2})):
+        response = client.post(path, json=body)
+        assert_error(response, "messages")
+        assert "the user speaks first" in response.get_json()["error"]["message"]
+    assert tokenize(client, messages=[{"role": "user", "content": "hi"}])["count"] > 0
+
+
 def test_detokenize_inverts_tokenize_special_tokens_included(client):
     for body in ({"prompt": PROMPT}, {"messages": MESSAGES}):
         tokens = tokenize(client, **body)["tokens"]
@@ -90,7 +149,14 @@ def test_a_prompt_past_the_limits_is_counted_not_refused(client):
     ("/tokenize", {"prompt": PROMPT, "tools": TOOLS}, "tools", "invalid_value"),
     ("/tokenize", {"messages": []}, "messages", "invalid_value"),
     ("/tokenize", {"prompt": 5}, "prompt", "invalid_value"),
-    ("/tokenize", {"prompt": PROMPT, "add_special_tokens": False}, "add_special_tokens", "unknown_parameter"),
+    ("/tokenize", {"prompt": PROMPT, "add_generation_prompt": False}, "add_generation_prompt", "invalid_value"),
+    ("/tokenize", {"prompt": PROMPT, "continue_final_message": True}, "continue_final_message", "invalid_value"),
+    ("/tokenize", {"prompt": PROMPT, "add_special_tokens": 1}, "add_special_tokens", "invalid_value"),
+    ("/tokenize", {"prompt": PROMPT, "add_bos": True}, "add_bos", "unknown_parameter"),
+    # the last message is the user's: nothing to continue; continuing excludes opening the assistant's turn
+    ("/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message", "invalid_value"),
+    ("/tokenize", {"messages": MESSAGES + [{"role": "assistant", "content": "It"}], "continue_final_message": True,
+                   "add_generation_prompt": True}, "continue_final_message", "invalid_value"),
     ("/detokenize", {"tokens": [1, 100]}, "tokens", "invalid_value"),  # the tiny vocabulary is 0..99
     ("/detokenize", {"tokens": [1, -2]}, "tokens[1]", "invalid_value"),
     ("/detokenize", {"tokens": "1 2"}, "tokens", "invalid_value"),

@@ -362,7 +362,28 @@ class CompletionRequest(_Request):
         return {**super().sampling_fields(), "prompt_logprobs": (self.logprobs or 0) if scored else None}
 
 
-class ChatCompletionRequest(_Request):
+class _ChatTemplating(BaseModel):
+    """vLLM's fields for how a conversation goes through the chat template (/v1/chat/completions, /tokenize)."""
+
+    add_generation_prompt: bool | None = Field(
+        None, description="extension (vLLM's): open the assistant's turn after the messages (default true, false "
+                          "with continue_final_message)")
+    continue_final_message: bool | None = Field(
+        None, description="extension (vLLM's): leave the last message, which must be the assistant's, open: the "
+                          "answer continues it (an assistant's reply begun by the client)")
+    add_special_tokens: bool | None = Field(
+        None, description="extension (vLLM's): also add the tokenizer's own special tokens (a BOS) to the "
+                          "template's text (default false: the template writes those it wants)")
+
+    def templating(self) -> dict:
+        """text.encode_messages' keywords for these fields, the defaults resolved."""
+        continued = bool(self.continue_final_message)
+        opened = self.add_generation_prompt if self.add_generation_prompt is not None else not continued
+        return {"add_generation_prompt": opened, "continue_final_message": continued,
+                "add_special_tokens": bool(self.add_special_tokens)}
+
+
+class ChatCompletionRequest(_ChatTemplating, _Request):
     """POST /v1/chat/completions."""
 
     model_config = ConfigDict(json_schema_extra={"allOf": [
@@ -736,16 +757,18 @@ def fingerprint(info: dict, settings: Settings) -> str:
 
 # --- vLLM's /tokenize and /detokenize ---------------------------------------------------------------------------
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_ChatTemplating):
     """POST /tokenize (vLLM's): the token ids this server feeds the model for a prompt, encoded as /v1/completions
-    encodes one, or for a conversation, as /v1/chat/completions encodes it (its tools included). The prompt
-    limits do not apply: the answer's count and max_model_len say whether a request would fit."""
+    encodes one, or for a conversation, as /v1/chat/completions encodes it (its tools and templating fields
+    included). The prompt limits do not apply: the answer's count and max_model_len say whether a request would
+    fit."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = Field(None, description="the served model's id, as /v1/models lists it (optional)")
     prompt: Text | None = Field(None, description="text, encoded with the tokenizer's special tokens (as a "
-                                                  "/v1/completions prompt); give prompt or messages")
+                                                  "/v1/completions prompt; add_special_tokens false leaves them "
+                                                  "out); give prompt or messages")
     messages: list[ChatMessage] | None = Field(None, min_length=1, description="a conversation, through the chat "
                                                "template with the assistant's turn opened (as /v1/chat/completions)")
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS, description="with messages: the tools the chat "
@@ -756,15 +779,18 @@ class TokenizeRequest(BaseModel):
     def _prompt_or_messages(self):
         if (self.prompt is None) == (self.messages is None):
             raise PydanticCustomError("invalid_value", "give prompt or messages (one of them)", {"param": "prompt"})
-        if self.tools is not None and self.messages is None:
-            raise PydanticCustomError("invalid_value", "tools go with messages", {"param": "tools"})
+        if self.messages is None:
+            for name in ("tools", "add_generation_prompt", "continue_final_message"):
+                if getattr(self, name) is not None:
+                    raise PydanticCustomError("invalid_value", f"{name} applies to messages only", {"param": name})
         return self
 
     def encoding(self) -> dict:
-        """svc.tokenize's arguments: the prompt, or the conversation and its tools."""
+        """svc.tokenize's arguments: the prompt, or the conversation and its tools, with how to encode them."""
         if self.messages is None:
-            return {"prompt": self.prompt}
-        return {"messages": conversation(self.messages), "tools": template_tools(self.tools), "field_name": "messages"}
+            return {"prompt": self.prompt, "templating": {"add_special_tokens": self.add_special_tokens is not False}}
+        return {"messages": conversation(self.messages), "tools": template_tools(self.tools), "field_name": "messages",
+                "templating": self.templating()}
 
 
 class TokenizeResponse(BaseModel):

@@ -123,7 +123,8 @@ def chat_completions():
     check_model(svc, req.model)
     check_choices(req, 1, svc.settings.max_prompts_per_request)
     grammar = svc.grammar(constrained(req, svc))
-    prompt_ids = svc.encode(messages=req.chat_messages(), field_name="messages", tools=req.template_tools())
+    prompt_ids = svc.encode(messages=req.chat_messages(), field_name="messages", tools=req.template_tools(),
+                            templating=req.templating())
     return answer(svc, req, [prompt_ids], sampling, "messages", chat=True, grammar=grammar)
 
 

@@ -159,9 +159,11 @@ class Service:
         return ids
 
     def encode(self, prompt: str | None = None, chat: bool = False, messages: list[dict] | None = None,
-               max_new_tokens: int = 0, field_name: str = "prompt", tools: list[dict] | None = None) -> list[int]:
+               max_new_tokens: int = 0, field_name: str = "prompt", tools: list[dict] | None = None,
+               templating: dict | None = None) -> list[int]:
         """The prompt's (or the chat messages', with the tools) token ids, checked against the length limits."""
-        return self._check_length(self.tokenize(prompt, chat, messages, field_name, tools), max_new_tokens, field_name)
+        ids = self.tokenize(prompt, chat, messages, field_name, tools, templating)
+        return self._check_length(ids, max_new_tokens, field_name)
 
     def encode_infill(self, prefix: str | list[int], suffix: str, field_name: str = "prompt") -> list[int]:
         """A fill-in-the-middle prompt's token ids (text.encode_infill), checked against the length limits; a 400
@@ -174,15 +176,24 @@ class Service:
         return self._check_length(ids, 0, field_name)
 
     def tokenize(self, prompt: str | None = None, chat: bool = False, messages: list[dict] | None = None,
-                 field_name: str = "prompt", tools: list[dict] | None = None) -> list[int]:
-        """The token ids `encode` checks, unchecked (/tokenize reports them whatever their length)."""
+                 field_name: str = "prompt", tools: list[dict] | None = None, templating: dict | None = None
+                 ) -> list[int]:
+        """The token ids `encode` checks, unchecked (/tokenize reports them whatever their length). `templating`:
+        text.encode_messages' keywords for messages (or encode_prompt's for a prompt). A chat template that refuses
+        the conversation is a 422 naming `field_name`."""
+        templating = templating or {}
         with self.tokenizer_lock:
-            if messages is not None or chat:
-                if not getattr(self.tokenizer, "chat_template", None):
-                    raise ApiError(422, "invalid_field", "this model has no chat template",
-                                   "chat" if messages is None else field_name)
-                return encode_messages(self.tokenizer, messages or [{"role": "user", "content": prompt}], tools)
-            return encode_prompt(self.tokenizer, prompt)
+            if messages is None and not chat:
+                return encode_prompt(self.tokenizer, prompt, **templating)
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ApiError(422, "invalid_field", "this model has no chat template",
+                               "chat" if messages is None else field_name)
+            try:
+                return encode_messages(self.tokenizer, messages or [{"role": "user", "content": prompt}], tools,
+                                       **templating)
+            except SpecDecError as error:
+                field = field_name if error.field == "messages" else error.field
+                raise ApiError(422, "invalid_field", error.message, field) from None
 
     def _check_length(self, ids: list[int], max_new_tokens: int, field_name: str) -> list[int]:
         if not ids:

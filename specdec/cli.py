@@ -157,6 +157,9 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
                         default=1.0, metavar="X", help="a token in the prompt or the output has a positive logit "
                                                        "divided by X and a negative one multiplied (transformers'; "
                                                        "default 1, none). Outputs follow the penalized target exactly")
+    parser.add_argument("--min_tokens", type=_checked(int, lambda n: n >= 0, "must be an integer >= 0"), default=0,
+                        metavar="N", help="generate at least N tokens: the end-of-sequence tokens are masked until "
+                                          "then (vLLM's; default 0, at most --max_tokens)")
     parser.add_argument("--chat", action="store_true", help="wrap the input in the target's chat template")
     constraint = parser.add_mutually_exclusive_group()
     constraint.add_argument("--json-schema", "--json_schema", dest="json_schema", metavar="FILE", default=None,
@@ -234,12 +237,18 @@ def stats_line(stats: GenerationStats) -> str:
 
 
 def sampling_params(args, method: str, seed: int, drafter: str | None = None) -> SamplingParams:
-    return SamplingParams(max_new_tokens=args.max_tokens, method=method, gamma=args.gamma,
-                          temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
-                          drafter=drafter or args.drafter, verification=args.verification,
-                          draft_confidence_threshold=args.draft_confidence_threshold,
-                          presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                          repetition_penalty=args.repetition_penalty)
+    """The flags' SamplingParams; a combination it refuses (--min_tokens over --max_tokens) is a SpecDecError
+    naming the flag."""
+    try:
+        return SamplingParams(max_new_tokens=args.max_tokens, method=method, gamma=args.gamma,
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=seed,
+                              drafter=drafter or args.drafter, verification=args.verification,
+                              draft_confidence_threshold=args.draft_confidence_threshold,
+                              presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                              repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens)
+    except SpecDecError as error:
+        message = error.message.replace("max_new_tokens", "--max_tokens")
+        raise SpecDecError(f"--{error.field}: {message}", field=error.field) from None
 
 
 def decodings(args) -> list[tuple[str, str, str]]:
@@ -318,6 +327,7 @@ def run(args, out=None) -> int:
 
     out = sys.stdout if out is None else out
     lookup = lookup_settings(args)  # checked before the models load
+    sampling_params(args, "google", 0)  # the flags' combinations too
     draft, target, tokenizer = load_pair(args.draft_model_name, args.target_model_name, device=args.device,
                                          dtype=args.dtype, device_map=args.device_map,
                                          trust_remote_code=args.trust_remote_code,

@@ -9,7 +9,7 @@ goes to the DEBUG log.
 import logging
 import os
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -419,6 +419,9 @@ class SpeculativeDecoder:
         if grammar is not None and params.stop_token_ids:
             raise SpecDecError("stop_token_ids cannot be combined with a grammar constraint, which decides where "
                                "the output ends", field="stop_token_ids")
+        if grammar is not None and params.min_tokens:
+            raise SpecDecError("min_tokens cannot be combined with a grammar constraint, which decides where the "
+                               "output ends", field="min_tokens")
         if grammar is not None and params.ignore_eos:
             raise SpecDecError("ignore_eos cannot be combined with a grammar constraint, which ends with an "
                                "end-of-sequence token", field="ignore_eos")
@@ -426,7 +429,7 @@ class SpeculativeDecoder:
         req = _Request(prompt, params, self.context_length, seed, set(params.ending_tokens(eos)),
                        self.vocab_size, cache_prompt=self.caches_prompt(params),
                        guide=None if grammar is None else grammar.start(eos))
-        warper = _Warper.for_request(params, self.vocab_size, len(prompt))
+        warper = _Warper.for_request(params, self.vocab_size, len(prompt), req.eos)
         return Stream(req, self._run(req, warper))
 
     def caches_prompt(self, params: SamplingParams) -> bool:
@@ -766,23 +769,28 @@ class SpeculativeDecoder:
 
 class _Warper:
     """Logits -> the distribution sampled from, identical for draft and target (and the baselines): a request's
-    logit bias added, its penalties applied (at the sequence each row follows: `context`), a grammar's mask, then
-    temperature, top-k and top-p."""
+    logit bias added, its penalties applied (at the sequence each row follows: `context`), the tokens that end
+    decoding masked where fewer than min_tokens have been generated, a grammar's mask, then temperature, top-k
+    and top-p."""
 
     def __init__(self, temperature: float, top_k: int, top_p: float, vocab_size: int,
                  logit_bias: tuple[tuple[int, float], ...] | None = None,
-                 penalties: tuple[float, float, float] | None = None, prompt_len: int = 0):
+                 penalties: tuple[float, float, float] | None = None, prompt_len: int = 0,
+                 min_tokens: int = 0, ending: Iterable[int] = ()):
         self.temperature, self.top_k, self.top_p, self.vocab_size = temperature, top_k, top_p, vocab_size
         self.logit_bias = logit_bias
         self._bias: dict[tuple, torch.Tensor] = {}  # the bias as a vector, by (device, logits' size)
         self.penalties = penalties  # (presence, frequency, repetition): sampling.penalize's; None: no penalty
         self.prompt_len = prompt_len  # the context's first prompt_len tokens are the prompt
+        # the tokens that end decoding, masked in a row that follows fewer than min_tokens generated tokens
+        self.min_tokens, self.ending = min_tokens, sorted(ending)
 
     @classmethod
-    def for_request(cls, params: SamplingParams, vocab_size: int, prompt_len: int) -> "_Warper":
+    def for_request(cls, params: SamplingParams, vocab_size: int, prompt_len: int, ending: Iterable[int] = ()
+                    ) -> "_Warper":
         penalties = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
         return cls(params.temperature, params.top_k, params.top_p, vocab_size, params.logit_bias,
-                   penalties if params.penalized else None, prompt_len)
+                   penalties if params.penalized else None, prompt_len, params.min_tokens, ending)
 
     def __call__(self, logits: torch.Tensor, allowed: torch.Tensor | None = None, context: list[int] | None = None,
                  proposed: list[int] = ()) -> torch.Tensor:
@@ -815,4 +823,20 @@ class _Warper:
                 raise RuntimeError("a penalized request's logits need the sequence they follow")
             rows = logits.reshape(-1, logits.size(-1))
             logits = penalize(rows, context + list(proposed), self.prompt_len, *self.penalties).reshape(logits.shape)
+        if self.min_tokens and self.ending:
+            if context is None:
+                raise RuntimeError("a request with min_tokens needs the sequence its logits follow")
+            logits = self._unending(logits, len(context) - self.prompt_len)
         return logits if allowed is None else mask_logits(logits, allowed)
+
+    def _unending(self, logits: torch.Tensor, generated: int) -> torch.Tensor:
+        """(..., V) logits whose row i follows `generated` + i generated tokens, the ending tokens at -inf in the
+        rows before min_tokens (a copy; the logits as they are where no row is)."""
+        rows = logits.reshape(-1, logits.size(-1))
+        masked = min(rows.size(0), self.min_tokens - generated)
+        ending = [t for t in self.ending if t < rows.size(-1)]  # a draft's vocabulary may be the smaller
+        if masked <= 0 or not ending:
+            return logits
+        rows = rows.clone()
+        rows[:masked, ending] = float("-inf")
+        return rows.reshape(logits.shape)

@@ -66,6 +66,11 @@ class SamplingParams:
     mask, temperature, top-k and top-p, to every row at the sequence it follows (a verification row's counts
     include the proposals before it), for the target and the draft alike: the output follows the penalized
     target's distribution exactly. Log-probabilities stay the raw model's.
+
+    `min_tokens` (vLLM's): the tokens that end decoding (`ending_tokens`: end-of-sequence and stop_token_ids) are
+    forbidden until this many tokens have been generated (for the target and the draft alike, as a grammar's mask
+    is: the output follows the target's distribution with them masked there, exactly); at most max_new_tokens; not
+    with a grammar constraint, which decides where the output ends. Log-probabilities stay the raw model's.
     """
 
     max_new_tokens: int = 64
@@ -88,6 +93,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     stop_token_ids: Sequence[int] | None = None
+    min_tokens: int = 0
 
     def __post_init__(self):
         for name, allowed in (("method", METHODS), ("drafter", DRAFTERS), ("verification", VERIFICATIONS)):
@@ -98,6 +104,9 @@ class SamplingParams:
             if getattr(self, name) is not None:
                 _integer(getattr(self, name), name, 0, MAX_LOGPROBS)
         _integer(self.max_new_tokens, "max_new_tokens", 0 if self.prompt_logprobs is not None else 1)
+        if _integer(self.min_tokens, "min_tokens", 0) > self.max_new_tokens:
+            raise SpecDecError(f"min_tokens ({self.min_tokens}) must not exceed max_new_tokens "
+                               f"({self.max_new_tokens})", field="min_tokens")
         if self.gamma is not None:
             _integer(self.gamma, "gamma", 1, MAX_GAMMA)
         temperature = _finite(self.temperature, "temperature")

@@ -227,9 +227,10 @@ class Completion:
     beside `tokens`: each token's log-probabilities (None when not asked for) and where its text starts."""
 
     def __init__(self, decode: Callable[[list[int]], str], prompt_ids: list[int], stop: Iterable[str] = (),
-                 concatenative: bool = False):
+                 concatenative: bool = False, min_tokens: int = 0):
         self._detokenizer = Detokenizer(decode, prompt_ids, concatenative)
         self._stop = [s for s in stop if s]
+        self._min_tokens = min_tokens  # no stop string cuts the text before this many tokens (vLLM's min_tokens)
         self._longest_stop = max((len(s) for s in self._stop), default=0)
         self.text = ""
         self.tokens: list[dict] = []  # {"id", "text", "source"}, up to the token that completed a stop string
@@ -341,8 +342,9 @@ class Completion:
         self._cut(len(piece))
 
     def _cut(self, added: int) -> None:
-        """Cut the text at the first stop string that the last `added` characters may have completed."""
-        if not self._stop or not added:
+        """Cut the text at the first stop string that the last `added` characters may have completed (none before
+        min_tokens tokens: as vLLM, a stop string completed before then is not looked for again)."""
+        if not self._stop or not added or len(self.tokens) < self._min_tokens:
             return
         start = max(0, len(self.text) - added - self._longest_stop + 1)
         hits = [i for i in (self.text.find(s, start) for s in self._stop) if i >= 0]

@@ -87,6 +87,15 @@ def test_penalty_flags_change_the_text_and_keep_greedy_equivalence(pair_args, ca
     assert all(texts[label] == texts["target"] for label in ("google", "deepmind", "google+lookup", "google+hybrid"))
 
 
+def test_min_tokens_flag_decodes_at_least_that_many_tokens_with_every_method(pair_args, capsys):
+    sampled = pair_args + ["-s", "2", "--temperature", "1", "-M", "40", "--method"]  # this draw ends at EOS early
+    assert main(sampled + ["target"]) == 0
+    assert "40 tokens |" not in capsys.readouterr().out
+    assert main(sampled + ["all", "--min_tokens", "40"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("40 tokens |") == len(completions(out)) >= 5
+
+
 @pytest.mark.parametrize("drafter", ["lookup", "hybrid"])
 def test_drafter_and_block_verification_flags_keep_greedy_equivalence(pair_args, capsys, drafter):
     common = pair_args + ["--temperature", "0", "-M", "24", "--input", "abcabcabcabc", "-v"]
@@ -187,6 +196,8 @@ def test_benchmark_prints_speedup_over_target(pair_args, capsys):
     (["--lookup_max_ngram", "many"], "--lookup_max_ngram"),
     (["--hybrid_min_match", "9"], "--hybrid_min_match"),  # more than --lookup_max_ngram's 8
     (["--lookup_max_ngram", "2", "--lookup_min_match", "3"], "--lookup_min_match"),
+    (["--min_tokens", "-1"], "--min_tokens"),
+    (["--min_tokens", "9", "-M", "8"], "--min_tokens"),  # more than --max_tokens: refused before the models load
 ])
 def test_bad_flags_exit_non_zero_with_one_message(pair_args, capsys, flags, fragment):
     assert main(pair_args + flags) == 2

@@ -140,6 +140,50 @@ def test_stop_token_ids_end_decoding_where_the_output_first_has_one(decoder, tem
     assert SamplingParams(stop_token_ids=[]).stop_token_ids is None
 
 
+def test_min_tokens_masks_the_ending_tokens_until_then_for_every_drafter_and_rule(decoder):
+    """min_tokens (vLLM's): greedy output is that of plain forwards with the tokens that end decoding (EOS,
+    stop_token_ids) at -inf while fewer than min_tokens are generated, for every drafter, rule and variant; it
+    changes nothing once the output is past min_tokens or where no token ends decoding (ignore_eos)."""
+    plain = decoder.generate(PROMPT, max_new_tokens=30, method="target", temperature=0).token_ids
+    eos, stop = plain[1], plain[4]  # the greedy output would end at its second token
+    ending = {eos, stop}
+
+    def reference(min_tokens: int, ending: set[int]) -> list[int]:
+        ids = list(PROMPT)
+        for generated in range(30):
+            with torch.no_grad():
+                logits = decoder.target_model(input_ids=torch.tensor([ids])).logits[0, -1]
+            if generated < min_tokens:
+                logits[sorted(ending)] = float("-inf")
+            ids.append(int(logits.argmax()))
+            if ids[-1] in ending:
+                break
+        return ids[len(PROMPT):]
+
+    expected = reference(6, ending)
+    assert len(expected) > 6 and not ending & set(expected[:6]) and expected[:2] != plain[:2]
+    assert reference(0, ending) == plain[:2]
+    accepted = 0
+    for drafter in DRAFTERS:
+        for rule in VERIFICATIONS:
+            for method, gamma in (("google", 1), ("deepmind", 4), ("google", None), ("target", 4)):
+                result = decoder.generate(PROMPT, max_new_tokens=30, method=method, gamma=gamma, temperature=0,
+                                          drafter=drafter, verification=rule, eos_token_id=eos,
+                                          stop_token_ids=[stop], min_tokens=6)
+                assert result.token_ids == expected, (drafter, rule, method, gamma)
+                accepted += result.stats.accepted
+    assert accepted > 0
+    assert decoder.generate(PROMPT, max_new_tokens=30, method="google", temperature=0, eos_token_id=eos,
+                            min_tokens=2).token_ids == reference(2, {eos})
+    unmasked = decoder.generate(PROMPT, max_new_tokens=30, method="google", temperature=0, ignore_eos=True,
+                                eos_token_id=eos, min_tokens=6)
+    assert unmasked.token_ids == plain  # ignore_eos: no token ends decoding, none is masked
+    for bad in ({"min_tokens": 31}, {"min_tokens": -1}, {"min_tokens": 1.5}):
+        with pytest.raises(SpecDecError) as error:
+            decoder.generate(PROMPT, max_new_tokens=30, **bad)
+        assert error.value.field == "min_tokens"
+
+
 def general_path(decoder):
     """A round observer: the engine then verifies greedy rounds as sampled ones are (q and p built, uniforms
     drawn, the rule applied) instead of by its greedy short path."""

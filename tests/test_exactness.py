@@ -18,7 +18,9 @@ The many-sample tests use TinyCausalLM (a one-layer model on a real DynamicCache
 than a library model); one test repeats the check on a transformers Llama with its own cache.
 
 With a warm prompt cache (keys and values of the prompt left by earlier requests), the samples pass the same test
-(`test_samples_follow_target_distribution_with_a_warm_prompt_cache`).
+(`test_samples_follow_target_distribution_with_a_warm_prompt_cache`). So do samples with a logit bias, with
+penalties, and with min_tokens (the ending token masked at the first positions), each against the target so
+changed, where the unchanged target fails on the same counts.
 """
 
 import copy
@@ -450,6 +452,76 @@ def fails_the_test(counts: dict, expected: dict, n: int) -> bool:
         return goodness_of_fit(counts, expected, n) < 1e-6
     except AssertionError:  # drew a continuation of probability 0
         return True
+
+
+# --- min_tokens: the ending tokens masked until then -------------------------------------------------------------
+
+ENDING = 2  # these draws' end-of-sequence token: the close pair's target gives it 0.02-0.19 first and 0.16-0.29 third
+# (drafter, rule, variant, setting, gamma, min_tokens): both rules and variants, every drafter, adaptive gamma; with
+# min_tokens 2 the ending token may come last (and ends the draw there), with 3 never
+MIN_TOKENS_RULES = [("model", "token", "google", "t1", 2, 2), ("model", "token", "deepmind", "t0.8-topk5-topp0.9", 2, 2),
+                    ("model", "block", "google", "t1", 2, 2), ("hybrid", "token", "deepmind", "t1", 2, 2),
+                    ("lookup", "block", "google", "t1", 2, 2), ("model", "token", "google", "topp0.8", 2, 3),
+                    ("hybrid", "block", "google", "t1", None, 2)]
+
+
+def draw_min_tokens(decoder, drafter, rule, variant, setting, gamma, min_tokens, totals=None) -> dict[tuple, int]:
+    return draw(decoder, variant, SETTINGS[setting], DRAFTER_SAMPLES, gamma=gamma, seed=31, prompt=prompt_for(drafter),
+                totals=totals, drafter=drafter, verification=rule, eos_token_id=ENDING, min_tokens=min_tokens)
+
+
+def follows_unending(counts: dict, target, drafter: str, setting: str, min_tokens: int) -> bool:
+    """Whether the counts pass the test against the target with ENDING masked at the first min_tokens positions:
+    every draw LENGTH tokens long (ENDING never came before), the goodness of fit above 1e-3."""
+    everything = set(range(VOCAB))
+    expected = exact_distribution(target, *SETTINGS[setting], prompt=prompt_for(drafter),
+                                  allowed=lambda prefix: everything - {ENDING} if len(prefix) < min_tokens
+                                  else everything)
+    return all(len(key) == LENGTH for key in counts) and goodness_of_fit(counts, expected, DRAFTER_SAMPLES) > 1e-3
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("drafter, rule, variant, setting, gamma, min_tokens", MIN_TOKENS_RULES)
+def test_samples_with_min_tokens_follow_the_target_with_its_ending_token_masked(close_pair, monkeypatch, drafter, rule,
+                                                                               variant, setting, gamma, min_tokens):
+    """min_tokens (vLLM's): the samples follow the target's distribution with the ending token at -inf at the
+    positions before min_tokens, for both rules and variants, every drafter and adaptive gamma (its lengths forced
+    to change at random); the unmasked target fails the test on the same counts, and where min_tokens allows it
+    the ending token is drawn last."""
+    draft, target = close_pair
+    if gamma is None:
+        lengths = random.Random(37)
+        monkeypatch.setattr("specdec.engine.AdaptiveGamma.choose", lambda self: lengths.randint(0, 3))
+    totals = {}
+    counts = draw_min_tokens(SpeculativeDecoder(draft, target), drafter, rule, variant, setting, gamma, min_tokens,
+                             totals)
+    assert follows_unending(counts, target, drafter, setting, min_tokens)
+    assert fails_the_test(counts, exact_distribution(target, *SETTINGS[setting], prompt=prompt_for(drafter)),
+                          DRAFTER_SAMPLES)
+    ended = sum(n for key, n in counts.items() if key[-1] == ENDING)
+    assert ended > 0.05 * DRAFTER_SAMPLES if min_tokens < LENGTH else ended == 0
+    assert_drafters_served(drafter, totals, DRAFTER_SAMPLES)
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("mistake", ["draft_only", "one_late"])
+def test_min_tokens_on_the_draft_alone_or_one_position_late_fails_the_test(close_pair, monkeypatch, mistake):
+    """The test has power against the ending token masked in the draft's rows only (the target's verification
+    rows left as they are), and against counting the generated tokens one too many (the mask kept a position
+    longer)."""
+    draft, target = close_pair
+    from specdec.engine import _Warper
+
+    unending = _Warper._unending
+
+    def wrong(self, logits, generated):  # the target's rows: (k + 1, V); the draft's: (V,)
+        if mistake == "draft_only":
+            return unending(self, logits, generated) if logits.dim() == 1 else logits
+        return unending(self, logits, generated - 1)
+
+    monkeypatch.setattr(_Warper, "_unending", wrong)
+    counts = draw_min_tokens(SpeculativeDecoder(draft, target), "model", "token", "google", "t1", 2, 2)
+    assert not follows_unending(counts, target, "model", "t1", 2)
 
 
 # --- the other drafters and block verification ------------------------------------------------------------------

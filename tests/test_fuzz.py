@@ -168,12 +168,16 @@ def test_schemathesis_against_the_openapi_document(app, mode):
 
     def in_vocabulary(body) -> bool:
         """Whether a logit_bias and stop_token_ids name token ids of the served vocabulary (OpenAPI 3.0 can say
-        neither that its keys are digits nor how many tokens there are), the stop tokens not beside a constraint."""
+        neither that its keys are digits nor how many tokens there are), the stop tokens not beside a constraint;
+        and min_tokens fits max_new_tokens, not beside a constraint either."""
         bias, stops = body.get("logit_bias") or {}, body.get("stop_token_ids") or []
         constrained = body.get("structured_outputs") or (body.get("response_format") or {}).get("type") not in (
             None, "text")
+        room = body.get("max_new_tokens") or service.settings.max_new_tokens
+        least = body.get("min_tokens") or 0  # at most max_new_tokens (a rule across fields), not beside a constraint
         return (all(key.isascii() and key.isdigit() and int(key) < service.decoder.vocab_size for key in bias)
-                and all(token < service.decoder.vocab_size for token in stops) and not (stops and constrained))
+                and all(token < service.decoder.vocab_size for token in stops) and not (stops and constrained)
+                and least <= room and not (least and constrained))
 
     @settings(FUZZ, max_examples=100)
     @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))

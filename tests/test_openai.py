@@ -489,6 +489,9 @@ REFUSED = [  # (route, field values, param, code)
     ("completions", {"repetition_penalty": 0}, "repetition_penalty", "invalid_value"),
     ("chat", {"repetition_penalty": 1000}, "repetition_penalty", "invalid_value"),
     ("completions", {"stop_token_ids": [100]}, "stop_token_ids", "invalid_value"),  # past the tiny vocabulary
+    ("completions", {"min_tokens": 9, "max_tokens": 8}, "min_tokens", "invalid_value"),
+    ("chat", {"min_tokens": -1}, "min_tokens", "invalid_value"),
+    ("chat", {"min_tokens": 2, "response_format": {"type": "json_object"}}, "min_tokens", "invalid_value"),
     ("chat", {"stop_token_ids": [5], "response_format": {"type": "json_object"}}, "stop_token_ids",
      "invalid_value"),
     ("chat", {"logit_bias": {"5": 101}}, "logit_bias", "invalid_value"),
@@ -748,6 +751,7 @@ def test_openapi_describes_the_v1_routes(pair):
         request = schemas[name]
         assert set(request["properties"]) == set(model.model_fields) and request["additionalProperties"] is False
         assert request["properties"]["max_tokens"]["maximum"] == 8 and request["properties"]["gamma"]["maximum"] == 6
+        assert request["properties"]["min_tokens"]["maximum"] == 8
         assert request["properties"]["model"]["enum"] == ["target"]
         assert request["properties"]["n"]["maximum"] == 16
     assert schemas["ChatCompletionRequest"]["properties"]["max_completion_tokens"]["maximum"] == 8
@@ -774,7 +778,8 @@ def test_schemathesis_against_the_v1_routes(pair, path, mode):
         try:
             if "messages" in body:
                 request = ChatCompletionRequest.model_validate(body)
-                prompts = [service.encode(messages=request.chat_messages(), tools=request.template_tools())]
+                prompts = [service.encode(messages=request.chat_messages(), tools=request.template_tools(),
+                                          templating=request.templating())]
             else:  # token ids: in the vocabulary (the document cannot say how large it is)
                 request = CompletionRequest.model_validate(body)
                 prompts = [service.check_token_ids(prompt) if isinstance(prompt, list) else service.encode(prompt)
@@ -790,6 +795,9 @@ def test_schemathesis_against_the_v1_routes(pair, path, mode):
         choices = len(prompts) * (request.n or 1)  # prompts times n: the document bounds each, not the product
         stops = request.stop_token_ids or []  # in the vocabulary, and not beside a grammar, which ends the answer
         if any(token >= service.decoder.vocab_size for token in stops) or (stops and request.constraint()):
+            return False
+        if request.min_tokens and (request.min_tokens > (service.settings.max_new_tokens if room is None else room)
+                                   or request.constraint()):  # at most max_tokens, and not beside a grammar
             return False
         return choices <= service.settings.max_prompts_per_request and all(
             len(ids) + (1 if room is None else room) <= 256 for ids in prompts)

@@ -314,6 +314,9 @@ def test_chunked_body_over_the_limit_is_413(client):
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"stop_token_ids": [100]}, "stop_token_ids"),  # the tiny vocabulary has 100 tokens
     ({"stop_token_ids": 5}, "stop_token_ids"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 9, "max_new_tokens": 8}, "min_tokens"),
+    ({"min_tokens": 2, "structured_outputs": {"choice": ["yes", "no"]}}, "min_tokens"),
 ])
 def test_invalid_field_is_422_naming_it(client, body, field):
     body = {"prompt": PROMPT, **body} if "prompt" not in body and body else body
@@ -550,6 +553,26 @@ def test_stop_token_ids_end_the_text_at_the_first_one(client):
     assert streamed[-1]["finish_reason"] == "stop"
     refused = predict(client, stop_token_ids=[stop], structured_outputs={"choice": ["yes", "no"]})
     assert refused.status_code == 422 and refused.get_json()["error"]["field"] == "stop_token_ids"
+
+
+def test_min_tokens_holds_back_the_ending_tokens_and_stop_strings_until_then(client):
+    """min_tokens (vLLM's): a stop token the greedy completion starts with cannot end it before min_tokens tokens,
+    nor a stop string its first token completes; JSON and SSE alike."""
+    plain = predict(client, temperature=0, max_new_tokens=30, details=True).get_json()
+    first = plain["tokens"][0]
+    ended = predict(client, temperature=0, max_new_tokens=30, stop_token_ids=[first["id"]]).get_json()
+    assert ended["usage"]["completion_tokens"] == 1 and ended["finish_reason"] == "stop"
+    body = predict(client, temperature=0, max_new_tokens=30, details=True, stop_token_ids=[first["id"]],
+                   min_tokens=5).get_json()
+    ids = [token["id"] for token in body["tokens"]]
+    assert len(ids) >= 5 and first["id"] not in ids[:5]
+    assert body["finish_reason"] == ("stop" if first["id"] in ids else "length")
+    streamed = sse_events(predict(client, temperature=0, max_new_tokens=30, stream=True,
+                                  stop_token_ids=[first["id"]], min_tokens=5))
+    assert "".join(event.get("text", "") for event in streamed) == body["text"]
+    assert predict(client, temperature=0, max_new_tokens=30, stop=[first["text"]]).get_json()["text"] == ""
+    late = predict(client, temperature=0, max_new_tokens=30, stop=[first["text"]], min_tokens=2).get_json()
+    assert late["text"].startswith(plain["text"][:1]) and late["usage"]["completion_tokens"] >= 2
 
 
 def test_penalties_cut_repeats_and_speculation_keeps_target_only_greedy(client):

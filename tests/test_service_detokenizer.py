@@ -173,6 +173,17 @@ def test_stop_strings(text, stop, expected):
     assert completion.stopped == (expected != text)
 
 
+@pytest.mark.parametrize("min_tokens, expected", [(0, "a"), (3, "a"), (4, "a--b"), (6, "a--b"), (7, "a--b--c")])
+def test_no_stop_string_cuts_the_text_before_min_tokens(min_tokens, expected):
+    """As vLLM: a stop string is looked for only once min_tokens tokens are out, each time in the text the latest
+    token may have completed, so "--" completed by the 3rd token (one a character here) cuts there up to
+    min_tokens 3, at the 6th from 4 to 6, and not at all from 7."""
+    tokenizer = make_tokenizer()
+    completion = Completion(decoder_of(tokenizer), [], ["--"], min_tokens=min_tokens)
+    assert feed_text(completion, tokenizer, "a--b--c", chunk=1) == expected
+    assert completion.stopped == (expected != "a--b--c")
+
+
 def test_tokens_after_a_stop_string_are_dropped():
     tokenizer = make_tokenizer()
     completion = Completion(decoder_of(tokenizer), [], ["b"])

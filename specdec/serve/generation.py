@@ -31,13 +31,13 @@ class Generation:
     """One request's decoding, from the engine stream it was given to its last event."""
 
     def __init__(self, service, stream, slot, record, prompt_ids: list[int], max_new_tokens: int,
-                 stop=(), details: bool = False, logprobs: bool = False, eos=()):
+                 stop=(), details: bool = False, logprobs: bool = False, eos=(), min_tokens: int = 0):
         self.service, self.stream, self.slot, self.record = service, stream, slot, record
         self.prompt_ids, self.max_new_tokens, self.details = prompt_ids, max_new_tokens, details
         self.logprobs = logprobs  # the request asked for the tokens' log-probabilities
         self.eos = frozenset(eos)  # the tokens that end this request's decoding (none with ignore_eos)
         self.prompt_logprobs = None  # the prompt's (TokenLogprobs, None for the first), when asked for
-        self.completion = Completion(service.decode, prompt_ids, stop, service.models.text_concatenates)
+        self.completion = Completion(service.decode, prompt_ids, stop, service.models.text_concatenates, min_tokens)
         self.result = None
         self.new_tokens = 0
         self.deadline = time.perf_counter() + service.settings.request_timeout  # the engine is ours until then

@@ -40,6 +40,7 @@ from .protocol import (
     LOGPROBS_DESCRIPTION,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
+    MIN_TOKENS_DESCRIPTION,
     SEED_DESCRIPTION,
     VERIFICATION_DESCRIPTION,
     FrequencyPenalty,
@@ -245,6 +246,7 @@ class _Request(BaseModel):
     logit_bias: LogitBias | None = Field(None, description=LOGIT_BIAS_DESCRIPTION)
     repetition_penalty: RepetitionPenalty = None  # an extension, as vLLM's
     stop_token_ids: StopTokenIds = None  # an extension, as vLLM's
+    min_tokens: int | None = Field(None, ge=0, description="extension (vLLM's): " + MIN_TOKENS_DESCRIPTION)
     # extensions, as in /predict
     top_k: int | None = Field(None, ge=0, description="extension: 0 keeps every token")
     gamma: int | None = Field(None, ge=1, description="extension: draft tokens proposed per round")
@@ -305,8 +307,8 @@ class _Request(BaseModel):
         try:
             return sampling_params(settings, **{**self.sampling_fields(), "max_new_tokens": self.requested_max_tokens})
         except ApiError as error:
-            if error.field == "max_new_tokens":
-                error.field = self.max_tokens_field
+            if error.field in ("max_new_tokens", "min_tokens"):
+                error.field = self.max_tokens_field if error.field == "max_new_tokens" else error.field
                 error.message = error.message.replace("max_new_tokens", self.max_tokens_field)
             raise
 

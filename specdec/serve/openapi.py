@@ -229,6 +229,7 @@ def openai_document(settings: Settings, served_model: str | None, keyed: bool = 
         for field in max_fields:
             _limit(props[field], settings.max_new_tokens_limit, f"default {settings.max_new_tokens}, or less if "
                                                                 f"the context has less room")
+        _limit(props["min_tokens"], settings.max_new_tokens_limit)  # and at most the request's max_tokens
         _limit(props["gamma"], settings.max_gamma)
         _limit(props["n"], settings.max_prompts_per_request)
         if served_model is not None:

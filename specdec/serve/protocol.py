@@ -57,6 +57,10 @@ IGNORE_EOS_DESCRIPTION = ("keep an end-of-sequence token and go on to the token 
 STOP_TOKEN_IDS_DESCRIPTION = ("more token ids that end the completion as an end-of-sequence token does (vLLM's; "
                               "kept in the output, finish_reason stop; also with ignore_eos); not with a "
                               "response_format, structured_outputs or tools")
+MIN_TOKENS_DESCRIPTION = ("generate at least this many tokens (vLLM's; default 0): until then the tokens that would "
+                          "end the completion (end-of-sequence, stop_token_ids) are masked, as a grammar masks, and "
+                          "no stop string is looked for; at most the token limit; not with a response_format, "
+                          "structured_outputs or tools")
 # why a request's ignore_eos is refused beside response_format or structured_outputs (/predict and /v1)
 IGNORE_EOS_CONSTRAINED = ("ignore_eos cannot be combined with response_format or structured_outputs: a constrained "
                           "answer ends with an end-of-sequence token")
@@ -156,6 +160,7 @@ class PredictRequest(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="add `logprobs`: " + LOGPROBS_DESCRIPTION)
     logit_bias: LogitBias | None = Field(None, description=LOGIT_BIAS_DESCRIPTION)
     stop_token_ids: StopTokenIds = None
+    min_tokens: int | None = Field(None, ge=0, description=MIN_TOKENS_DESCRIPTION)
     presence_penalty: PresencePenalty = None
     frequency_penalty: FrequencyPenalty = None
     repetition_penalty: RepetitionPenalty = None
@@ -289,6 +294,7 @@ def request_schema(settings: Settings) -> dict:
     defaults = settings.sampling
     _bound(props["max_new_tokens"], maximum=settings.max_new_tokens_limit,
            default=f"default {defaults.max_new_tokens}")
+    _bound(props["min_tokens"], maximum=settings.max_new_tokens_limit)  # and at most the request's max_new_tokens
     _bound(props["gamma"], maximum=settings.max_gamma,
            default="default " + ("adaptive" if defaults.gamma is None else str(defaults.gamma)))
     for name in ("temperature", "top_k", "top_p", "method", "drafter", "verification", "draft_confidence_threshold"):

@@ -259,7 +259,8 @@ class Service:
         generation = record.generation = Generation(self, stream, slot, record, prompt_ids,
                                                     sampling.max_new_tokens, stop, details,
                                                     logprobs=sampling.logprobs is not None,
-                                                    eos=sampling.ending_tokens(self.models.eos_token_ids))
+                                                    eos=sampling.ending_tokens(self.models.eos_token_ids),
+                                                    min_tokens=sampling.min_tokens)
         record.generations.append(generation)
         return generation
 

@@ -3,10 +3,10 @@ forwards of a few tokens (the draft's step, the target's verification) compiled 
 
 gpt-fast's answer to rounds bound by per-operation overhead rather than bytes (a GPU, or a small pair): one
 `StaticCache` per model, sized at load time and reused by each request in turn (batch size 1, one request at a
-time), and one compiled graph per forward width (inductor, its wrapper in C++, on CPU; `reduce-overhead`, CUDA
-graphs, on CUDA). After width 1, torch.compile makes the width dynamic, so two compilations serve every width up to
-`max_width`; wider forwards (a prompt's prefill) run eagerly on the same cache. A request that could outgrow the
-cache uses the dynamic cache (kv_cache.CachedModel) instead.
+time), and one compiled graph per forward width (inductor on CPU, its wrapper in C++ for a small model;
+`reduce-overhead`, CUDA graphs, on CUDA). After width 1, torch.compile makes the width dynamic, so two
+compilations serve every width up to `max_width`; wider forwards (a prompt's prefill) run eagerly on the same
+cache. A request that could outgrow the cache uses the dynamic cache (kv_cache.CachedModel) instead.
 
 The static cache also serves the prompt cache: a request that keeps its caches (the prompt cache on, and
 `cache_prompt`) leaves its committed tokens' keys and values in it (`StaticDecoding.held`), and the next request
@@ -40,6 +40,11 @@ COMPILE_CHOICES = ("auto", "true", "false")
 # masked, so a larger one costs every token; a longer request takes the dynamic cache.
 STATIC_CACHE_TOKENS = 5120
 MAX_WIDTH = 17  # the widest compiled forward: gamma up to 16 and its bonus position
+# On CPU a model this small (parameters and buffers, in elements) takes inductor's C++ wrapper: its steps are bound
+# by the Python that calls each kernel, which the wrapper removes. A larger one keeps the Python wrapper, whose
+# compile is far shorter: the default pair's load with compile took 1,437 s with the C++ wrapper against 171 s
+# without, for steps of 154 against 212 ms (and its eager steps take 49 ms: bench/README.md).
+CPP_WRAPPER_MAX_ELEMENTS = 100_000_000
 
 
 def resolve_compile(value, device: torch.device) -> bool:
@@ -80,7 +85,7 @@ class StaticDecoding:
         options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
         if cuda_graphs:
             options["triton.cudagraphs"] = True  # mode "reduce-overhead", which cannot be named beside options
-        elif input_device(model).type == "cpu":
+        elif input_device(model).type == "cpu" and _elements(model) <= CPP_WRAPPER_MAX_ELEMENTS:
             # the graph's wrapper in C++, not Python: one call from Python a step, not one per kernel, with the GIL
             # released inside it (the tiny pair's compiled target-only decode 7,676 against 5,660 tokens/s,
             # Google 1,859 against 1,410: bench/README.md, "Rounds bound by overhead")
@@ -158,6 +163,11 @@ class StaticDecoding:
                 self.forward(owner, ids[:, :width])
                 self.cache.crop(-width)
         self.claim(None)
+
+
+def _elements(model) -> int:
+    """How many elements the model's parameters and buffers hold (packed weights count their bytes)."""
+    return sum(t.numel() for t in model.parameters()) + sum(t.numel() for t in model.buffers())
 
 
 def _step(decoding: StaticDecoding, ids: torch.Tensor) -> torch.Tensor:

@@ -139,6 +139,35 @@ def test_compiled_greedy_equals_eager_target_only(greedy_pairs, drafter, rule, m
                              eos_token_id=[]).token_ids == reference
 
 
+def test_a_model_over_the_cpp_wrapper_bound_compiles_with_the_python_wrapper_and_keeps_greedy_output(greedy_pairs,
+                                                                                                   monkeypatch):
+    """The default pair's path on CPU: a model over CPP_WRAPPER_MAX_ELEMENTS compiles with inductor's Python
+    wrapper (far shorter to compile for a large graph); a small one, as every other test here, with the C++ one.
+    Both give eager target-only's greedy output."""
+    import specdec.compiled as compiled_module
+
+    (draft, target), _ = greedy_pairs
+    options, compile = [], torch.compile
+
+    def recorded(fn, **kwargs):
+        options.append(dict(kwargs.get("options") or {}))
+        return compile(fn, **kwargs)
+
+    monkeypatch.setattr(compiled_module.torch, "compile", recorded)
+    small = copy.deepcopy(target)
+    assert compile_model(small, CPU) and options.pop()["cpp_wrapper"] is True
+    monkeypatch.setattr(compiled_module, "CPP_WRAPPER_MAX_ELEMENTS", 0)
+    large_draft, large_target = copy.deepcopy(draft), copy.deepcopy(target)
+    assert compile_model(large_draft, CPU) and compile_model(large_target, CPU)
+    assert not any("cpp_wrapper" in chosen for chosen in options)
+    prompt = [5, 17, 42, 8, 99, 3, 5, 17, 42, 8]
+    reference = SpeculativeDecoder(draft, target).generate(prompt, max_new_tokens=24, method="target",
+                                                           temperature=0, eos_token_id=[]).token_ids
+    result = SpeculativeDecoder(large_draft, large_target).generate(prompt, max_new_tokens=24, method="google",
+                                                                    temperature=0, eos_token_id=[])
+    assert result.token_ids == reference and result.stats.accepted > 0
+
+
 # --- the static cache --------------------------------------------------------------------------------------------
 
 def test_requests_use_the_static_cache_and_its_rollback_moves_the_position(greedy_pairs):

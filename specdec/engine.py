@@ -834,8 +834,10 @@ class _Warper:
         rows before min_tokens (a copy; the logits as they are where no row is)."""
         rows = logits.reshape(-1, logits.size(-1))
         masked = min(rows.size(0), self.min_tokens - generated)
+        if masked <= 0:  # every row past min_tokens: the rest of the request
+            return logits
         ending = [t for t in self.ending if t < rows.size(-1)]  # a draft's vocabulary may be the smaller
-        if masked <= 0 or not ending:
+        if not ending:
             return logits
         rows = rows.clone()
         rows[:masked, ending] = float("-inf")

@@ -307,9 +307,9 @@ class _Request(BaseModel):
         try:
             return sampling_params(settings, **{**self.sampling_fields(), "max_new_tokens": self.requested_max_tokens})
         except ApiError as error:
-            if error.field in ("max_new_tokens", "min_tokens"):
-                error.field = self.max_tokens_field if error.field == "max_new_tokens" else error.field
-                error.message = error.message.replace("max_new_tokens", self.max_tokens_field)
+            if error.field == "max_new_tokens":
+                error.field = self.max_tokens_field
+            error.message = error.message.replace("max_new_tokens", self.max_tokens_field)  # min_tokens' names it
             raise
 
 

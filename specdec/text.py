@@ -280,6 +280,32 @@ class Completion:
             logprobs += chunk.logprobs[:n] if chunk.logprobs is not None else [None] * n
         self._append_all(token_ids, sources, logprobs, decode)
 
+    def feed_rounds(self, chunks: Sequence, decode: Callable[[list[int]], str] | None = None) -> list[str]:
+        """Feed rounds where no stop string can cut the text (engine Chunks: token_ids, sources, logprobs), their
+        tokens detokenized in one pass; each round's text as `take` would give it after the round (the first's
+        with any text not taken before), all of it taken (none with no rounds)."""
+        if self._stop:
+            raise ValueError("feed_rounds is for a completion without stop strings")
+        if not chunks:
+            return []
+        token_ids, sources, logprobs, ends = [], [], [], []
+        for chunk in chunks:
+            n = min(len(chunk.token_ids), len(chunk.sources))  # as feed's zip
+            token_ids += chunk.token_ids[:n]
+            sources += chunk.sources[:n]
+            logprobs += chunk.logprobs[:n] if chunk.logprobs is not None else [None] * n
+            ends.append(n)
+        first = len(self.tokens)
+        self._append_all(token_ids, sources, logprobs, decode)
+        offsets, text, texts, start = self.offsets, self.text, [], self._sent
+        for n in ends:
+            first += n
+            end = offsets[first] if first < len(offsets) else len(text)
+            texts.append(text[start:end])
+            start = end
+        self._sent = len(text)
+        return texts
+
     def _append_all(self, token_ids: list[int], sources: list[str], logprobs: list | None,
                     decode: Callable[[list[int]], str] | None) -> list[dict]:
         """Add tokens where no stop string can cut the text; the tokens added."""

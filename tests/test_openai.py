@@ -206,6 +206,37 @@ def test_completion_stream_with_usage(client):
     assert len(content) > 2 and all(c["choices"][0]["text"] for c in content[:-1])  # no empty chunk before the last
 
 
+@pytest.mark.parametrize("route, echo", [("completions", False), ("completions", True), ("chat", False)])
+def test_a_text_only_stream_renders_the_rounds_it_takes_together_as_each_round_alone(client, route, echo):
+    """Without logprobs or tools a stream's greenlet feeds the rounds it takes together and renders their chunks
+    from their texts (Generation.rounds' render_texts); with a stop string that never matches each round is
+    rendered alone on the engine thread, and with logprobs on the greenlet round by round: the same chunks (the
+    round that ends decoding with finish_reason, no empty one), the echoed prompt first."""
+    ask = complete if route == "completions" else chat
+    body = {"max_tokens": 30, "seed": 6, "temperature": 0.9, "gamma": 3, **({"echo": True} if echo else {})}
+
+    def stripped(events):  # the chunks without what differs by design: timings, ids, times, logprobs
+        for event in events:
+            event.pop("id"), event.pop("created")
+            for choice in event["choices"]:
+                choice.pop("logprobs", None)
+                (choice.get("speculative_decoding_stats") or {}).update(time_to_first_token_seconds=None,
+                                                                         total_seconds=None, tokens_per_second=None)
+        return events
+
+    together = stripped(chunks(ask(client, stream=True, **body)))
+    alone = stripped(chunks(ask(client, stream=True, stop=["\x00never"], **body)))
+    with_logprobs = stripped(chunks(ask(client, stream=True, **body, **(
+        {"logprobs": 1} if route == "completions" else {"logprobs": True}))))
+    assert together == alone == with_logprobs and len(together) > 4
+    texts = [c["choices"][0]["text"] if route == "completions" else c["choices"][0]["delta"].get("content")
+             for c in together]
+    assert all(texts[1 if route == "chat" else 0:])  # no empty chunk
+    plain = ask(client, **body).get_json()["choices"][0]
+    assert "".join(texts[1 if route == "chat" else 0:]) == (plain["text"] if route == "completions"
+                                                            else plain["message"]["content"])
+
+
 @settings(max_examples=40, deadline=None)
 @given(text=st.text(max_size=40), index=st.integers(0, 3), chat=st.booleans(), include_usage=st.booleans())
 def test_a_text_chunk_is_the_models_rendering(text, index, chat, include_usage):

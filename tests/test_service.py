@@ -10,6 +10,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specdec import SpecDecError
 from specdec.serve import create_app
@@ -472,6 +474,34 @@ def test_a_json_answer_without_stop_strings_equals_one_detokenized_round_by_roun
     for event, other in zip(events, per_round_events):
         event["stats"] = other["stats"] = None  # the timings differ
         assert event == other
+
+
+@pytest.mark.parametrize("kwargs", [{"method": "target"}, {"gamma": 3}])
+def test_a_text_only_stream_renders_the_rounds_it_takes_together_as_each_round_alone(client, kwargs):
+    """Without details or logprobs a stream's greenlet feeds the rounds it takes together and renders each from
+    its text (Generation.rounds' render_texts); with a stop string that never matches each round is rendered
+    alone on the engine thread, and with details on the greenlet round by round: the same events, one a round."""
+    body = {"max_new_tokens": 40, "seed": 4, "temperature": 0.9, "cache_prompt": False, **kwargs}
+    together = sse_events(predict(client, stream=True, buffered=True, **body))
+    alone = sse_events(predict(client, stream=True, buffered=True, stop=["\x00never"], **body))
+    detailed = sse_events(predict(client, stream=True, buffered=True, details=True, **body))
+    assert len(together) == len(alone) == len(detailed) == together[-1]["stats"]["rounds"] + 1 > 5
+    for event, other, more in zip(together, alone, detailed):
+        event["stats"] = other["stats"] = more["stats"] = None  # the timings differ
+        assert event == other == {key: value for key, value in more.items() if key != "tokens"}
+    assert "".join(e["text"] for e in together) == predict(client, **body).get_json()["text"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=st.text(max_size=40))
+def test_a_text_event_is_the_event_rendered(text):
+    """/predict's text-only events come from a template (generation.text_template): the same bytes as rendering
+    the event, for any text (quotes, backslashes, control characters, non-ASCII, the placeholder itself)."""
+    from specdec.serve.generation import TEXT_PLACEHOLDER, _text_event, sse, text_template
+
+    assert _text_event(text) == sse({"text": text})
+    assert _text_event(TEXT_PLACEHOLDER + text) == sse({"text": TEXT_PLACEHOLDER + text})
+    assert text_template(lambda t: sse({"a": [t], "b": 1}))(text) == sse({"a": [text], "b": 1})
 
 
 def reference(client, **kwargs):

@@ -4,6 +4,7 @@ gunicorn's worker patches): the event loop keeps running while the engine thread
 on the engine thread runs beside it, a thread pool left there ends by itself, and a blocked read is interrupted.
 Also the worker's open-file budget."""
 
+import contextlib
 import json
 import os
 import resource
@@ -116,29 +117,44 @@ def test_ahead_runs_up_to_most_items_ahead_while_the_consumer_keeps_its_interval
 
 
 def test_ahead_stays_within_depth_of_a_consumer_late_by_more_than_its_interval():
-    """A consumer that takes nothing for longer than its interval (a client that reads slowly, or has gone)
-    stops the work at `depth` untaken items, whatever `most`: past the interval nothing more is made."""
+    """A consumer that takes nothing for longer than two intervals (a client that reads slowly, or has gone)
+    stops the work at `depth` untaken items, whatever `most`: past them nothing more is made."""
     engine, made = EngineThread(), []
-    batches = engine.ahead(_rounds(made, 100, seconds=0.01), depth=3, interval=0.05, most=100)
-    taken = next(batches).count("<")
-    time.sleep(0.5)  # late by ten intervals: about 50 items would be made without the bound
-    ahead = len(made) - taken
-    assert 3 <= ahead <= 3 + 0.05 / 0.01 + 2, ahead  # depth, or what one interval made, and no more
-    batches.close()
+    with contextlib.closing(engine.ahead(_rounds(made, 100, seconds=0.01), depth=3, interval=0.05,
+                                         most=100)) as batches:
+        taken = next(batches).count("<")
+        time.sleep(0.5)  # late by ten intervals: about 50 items would be made without the bound
+        ahead = len(made) - taken
+    assert 3 <= ahead <= 3 + 2 * 0.05 / 0.01 + 2, ahead  # depth, or what two intervals made, and no more
 
 
-def test_ahead_converts_each_item_on_the_consumers_side():
+def test_ahead_does_not_stop_for_a_consumer_late_by_less_than_a_second_interval():
+    """A consumer on time wakes after its interval, and then takes: a little late, by its wake-up and its work.
+    Within a second interval the engine thread goes on up to `most` (stopping at `depth` after one interval
+    had it wait for every batch of a consumer on time)."""
+    engine, made = EngineThread(), []
+    with contextlib.closing(engine.ahead(_rounds(made, 100, seconds=0.01), depth=3, interval=0.2,
+                                         most=100)) as batches:
+        taken = next(batches).count("<")
+        time.sleep(0.38)  # late by nine tenths of an interval: about 38 items made, 20 had it stopped after one
+        ahead = len(made) - taken
+    assert ahead >= 27, ahead
+
+
+def test_ahead_converts_the_items_taken_together_on_the_consumers_side():
     engine = EngineThread()
     engine_thread = engine.call(threading.get_ident)
-    converted_on = []
+    converted_on, sizes = [], []
 
-    def convert(item):
+    def convert(items: list) -> str:
         converted_on.append(threading.get_ident())
-        return item.upper()
+        sizes.append(len(items))
+        return "".join(items).upper()
 
-    batches = list(engine.ahead((f"<x{i}>" for i in range(12)), depth=4, interval=0.0, convert=convert))
+    batches = list(engine.ahead((f"<x{i}>" for i in range(12)), depth=4, interval=0.05, convert=convert))
     assert "".join(batches) == "".join(f"<X{i}>" for i in range(12))
     assert set(converted_on) == {threading.get_ident()} != {engine_thread}
+    assert sum(sizes) == 12 and len(batches) == len(sizes) < 12  # once a batch, not once an item
 
 
 def test_ahead_stays_at_most_depth_items_ahead_of_a_consumer_that_does_not_take():

@@ -144,6 +144,54 @@ def test_feed_and_extend_give_each_token_the_text_of_the_offsets_scheme(request,
         :len(fed.tokens)]
 
 
+@pytest.mark.parametrize("name", ["byte_tokenizer", "merged_tokenizer", "char_tokenizer"])
+@settings(max_examples=80, deadline=None)
+@given(prompt=st.text(min_size=0, max_size=8), text=st.text("ab.é ", max_size=30) | st.text(max_size=20),
+       cuts=st.lists(st.integers(0, 5), max_size=10), batches=st.lists(st.integers(1, 4), max_size=6),
+       with_logprobs=st.booleans(), taken_first=st.booleans())
+def test_rounds_fed_together_give_each_round_the_text_that_feeding_and_taking_it_gives(
+        request, name, prompt, text, cuts, batches, with_logprobs, taken_first):
+    """A stream's greenlet feeds the rounds it takes at once (Completion.feed_rounds: one pass of the
+    detokenizer) and renders each from its text: the same texts as feeding each round and taking its text, the
+    same completion after (tokens, offsets, logprobs, text), characters split over rounds and empty rounds
+    included; text fed before and not taken goes with the first round."""
+    tokenizer = request.getfixturevalue(name)
+    ids = tokenizer.encode(text)
+    chunks, start = [], 0
+    for size in cuts + [len(ids)]:
+        token_ids = ids[start:start + size]
+        start += size
+        chunks.append(SimpleNamespace(token_ids=token_ids, sources=["draft"] * len(token_ids),
+                                      logprobs=[(start, i) for i in range(len(token_ids))] if with_logprobs else None))
+    decode, prompt_ids = decoder_of(tokenizer), tokenizer.encode(prompt)
+    one_by_one, together = (Completion(decode, prompt_ids, concatenative=True) for _ in range(2))
+    head = chunks[:1] if not taken_first else []  # fed and not taken before the batches
+    for completion in (one_by_one, together):
+        for chunk in head:
+            completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
+    rest, expected, got = chunks[len(head):], [], []
+    for chunk in rest:
+        one_by_one.feed(chunk.token_ids, chunk.sources, chunk.logprobs)
+        expected.append(one_by_one.take())
+    start = 0
+    for size in batches + [len(rest)]:
+        got += together.feed_rounds(rest[start:start + size])
+        start += size
+    assert got == expected
+    assert together.text == one_by_one.text and together.tokens == one_by_one.tokens
+    assert together.offsets == one_by_one.offsets and together.logprobs == one_by_one.logprobs
+    assert together.take() == one_by_one.take()  # nothing left, or (with no rounds after it) what was fed first
+    for completion in (one_by_one, together):
+        completion.finish()
+    assert together.text == one_by_one.text and together.take() == one_by_one.take()
+
+
+def test_rounds_are_not_fed_together_where_a_stop_string_may_cut_the_text(char_tokenizer):
+    completion = Completion(decoder_of(char_tokenizer), [], ("x",), concatenative=True)
+    with pytest.raises(ValueError, match="stop strings"):
+        completion.feed_rounds([SimpleNamespace(token_ids=[5], sources=["target"], logprobs=None)])
+
+
 def feed_text(completion, tokenizer, text, chunk=3):
     ids = tokenizer.encode(text)
     sent = []

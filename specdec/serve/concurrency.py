@@ -71,14 +71,14 @@ class EngineThread:
             watcher.stop()
 
     def ahead(self, items: Iterator, depth: int, interval: float = 0.0,
-              convert: Callable[[object], str] | None = None, most: int | None = None) -> Iterator[str]:
-        """The strings of `items` (or `convert(item)` of each, computed by the caller as it takes them), the items
-        computed on the engine thread ahead of the caller, who gets them in order: the
-        engine thread never waits for the caller to send one, unless `depth` are untaken and the caller is late
-        (it last took more than `interval` seconds ago: a client that reads slowly, or has gone, stops the work
-        within `depth` items), or `most` (default `depth`) are untaken. The caller takes at most one batch every
-        `interval` seconds, the strings ready then joined into one; it is woken only while it waits for one, so
-        the engine thread wakes it once a batch at most, not once a string.
+              convert: Callable[[list], str] | None = None, most: int | None = None) -> Iterator[str]:
+        """The strings of `items` (or, with `convert`, what it makes of the items taken together, computed by the
+        caller as it takes them), the items computed on the engine thread ahead of the caller, who gets them in
+        order: the engine thread never waits for the caller to send one, unless `depth` are untaken and the caller
+        is late (it last took more than two `interval`s ago: a client that reads slowly, or has gone, stops the
+        work within `depth` items), or `most` (default `depth`) are untaken. The caller takes at most one batch
+        every `interval` seconds, the strings ready then joined into one; it is woken only while it waits for one,
+        so the engine thread wakes it once a batch at most, not once a string.
 
         Closing the returned iterator (the caller stopped: a client gone) stops the work before its next item and
         closes `items` on the engine thread, and returns once it has. An exception in `items` is raised here."""
@@ -155,10 +155,12 @@ class _Outbox:
     def _room(self) -> bool:
         """Whether the engine thread may make another item: fewer than `depth` untaken, or fewer than `most` while
         the caller keeps its interval (rounds faster than `depth` an interval then go out an interval at a time,
-        not `depth` at a time: bench/README.md, "Rounds bound by overhead")."""
+        not `depth` at a time: bench/README.md, "Rounds bound by overhead"). Keeping it is taking again within two
+        intervals: one the caller waits out after it sends, one for its wake-up and its work, so that a caller on
+        time never finds the engine thread waiting for it."""
         untaken = len(self._items)
         return untaken < self.depth or (untaken < self.most
-                                        and time.monotonic() - self._taken_at <= self.interval)
+                                        and time.monotonic() - self._taken_at <= 2 * self.interval)
 
     def fill(self, items: Iterator[str]) -> None:
         """On the engine thread: compute the items while there is room (`_room`), end with the marker."""
@@ -207,9 +209,10 @@ class _Outbox:
         finally:
             self._waiting = False
 
-    def drain(self, convert: Callable[[object], str] | None = None) -> Iterator[str]:
-        """On the caller's side: the strings as they come (each item through `convert`, if given), those ready
-        together joined, one batch at most every `interval` seconds."""
+    def drain(self, convert: Callable[[list], str] | None = None) -> Iterator[str]:
+        """On the caller's side: the strings as they come (those ready together joined, or `convert` of the items
+        ready together), one batch at most every `interval` seconds. The engine thread may go on once the items
+        are taken, before they are converted."""
         interval, ending = self.interval, None
         try:
             while True:
@@ -219,12 +222,12 @@ class _Outbox:
                     if isinstance(item, _End):
                         ending = item
                     else:
-                        taken.append(item if convert is None else convert(item))
+                        taken.append(item)
                 if taken:
                     self._taken_at, self._full = time.monotonic(), False
                     _release(self._space)
                     sent = time.monotonic()
-                    if joined := "".join(taken):
+                    if joined := ("".join(taken) if convert is None else convert(taken)):
                         yield joined
                     if ending is None and (pause := sent + interval - time.monotonic()) > 0:
                         self._pause(pause)

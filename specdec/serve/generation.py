@@ -149,7 +149,8 @@ class Generation:
                 self.completion.finish()
                 self.final = True
 
-    def rounds(self, render: Callable[[list[dict]], str | Iterable[str]]) -> Iterator[str]:
+    def rounds(self, render: Callable[[list[dict]], str | Iterable[str]],
+               render_texts: Callable[[list[str], bool], str] | None = None) -> Iterator[str]:
         """A stream's rounds, each rendered by `render(kept)` (its event, or several), decoded on the engine thread
         ahead of the sender (READ_AHEAD rounds, more while it keeps its interval): the engine thread never waits
         for the request's greenlet to send a round, and rounds decoded while it sent go out together.
@@ -157,9 +158,11 @@ class Generation:
         With stop strings, each round's text is assembled and rendered on the engine thread as it is decoded, so
         that decoding stops at the round that completes one; until this ends, only the engine thread touches the
         generation. Without them, the engine thread only decodes and checks the time budget; the greenlet
-        detokenizes and renders each round as it takes it (the completion is then the greenlet's alone), so that
+        detokenizes and renders the rounds it takes (the completion is then the greenlet's alone), so that
         between two rounds the engine thread runs no more Python than a JSON answer's (bench/README.md, "Rounds
-        bound by overhead")."""
+        bound by overhead"). There, `render_texts(texts, final)`, where the caller gives it, renders the rounds
+        taken together from their texts alone (whether the last of them ends decoding): their tokens detokenized
+        in one pass, no per-round Python beyond the event's own (for events that carry text only)."""
         interval = self.service.settings.stream_interval
         if self.completion.has_stop_strings:
             def rendered():
@@ -167,17 +170,24 @@ class Generation:
                     yield _joined(render(kept))
 
             return self.service.engine.ahead(rendered(), READ_AHEAD, interval, most=READ_AHEAD_MOST)
-        return self._rendered_by_sender(render, interval)
+        return self._rendered_by_sender(render, interval, render_texts)
 
-    def _rendered_by_sender(self, render, interval: float) -> Iterator[str]:
+    def _rendered_by_sender(self, render, interval: float, render_texts) -> Iterator[str]:
         def decoded():  # on the engine thread: (the round's chunk, whether it is the last)
             while not self.done and (chunk := self._next_chunk()) is not None:
                 self._over_time(chunk)
                 yield chunk, self.done or self._finished_by(chunk)
 
-        def rendered(item) -> str:  # on the greenlet, as it takes the round
-            chunk, self.final = item
-            return _joined(render(self._feed(chunk)))
+        def rendered(items: list) -> str:  # on the greenlet: the rounds it takes at once
+            if render_texts is not None:
+                self.final = items[-1][1]
+                with self.service.tokenizer_lock:
+                    texts = self.completion.feed_rounds([chunk for chunk, _ in items], self.service.models.decode_text)
+                return render_texts(texts, self.final)
+            events = []
+            for chunk, self.final in items:
+                events.append(_joined(render(self._feed(chunk))))
+            return "".join(events)
 
         yield from self.service.engine.ahead(decoded(), READ_AHEAD, interval, rendered, READ_AHEAD_MOST)
         self.completion.finish()  # decoding has ended (not reached when the client has gone)
@@ -248,7 +258,8 @@ class Generation:
         """/predict's Server-Sent Events: one per committed chunk, then one with finish_reason, usage and stats.
         With logprobs, each event has those of the tokens whose text it completes."""
         try:
-            yield from self.rounds(lambda kept: sse(self._event(kept)))
+            text_only = not (self.details or self.logprobs)  # each round's event is its text alone
+            yield from self.rounds(lambda kept: sse(self._event(kept)), _text_events if text_only else None)
             final = self.body()
             final["text"] = self.completion.take()
             final.pop("tokens", None)
@@ -318,3 +329,23 @@ def sse(payload: dict) -> str:
 
 # json.dumps(payload, ensure_ascii=False) with its encoder made once, not once a call
 _to_json = json.JSONEncoder(ensure_ascii=False).encode
+
+# a text no event holds, whose JSON marks where an event's text goes (text_template)
+TEXT_PLACEHOLDER = "\x00specdec-text\x00"
+
+
+def text_template(render: Callable[[str], str]) -> Callable[[str], str]:
+    """`render` (an event of a text, its other fields fixed) as a template: its output for a placeholder, split
+    around the placeholder's JSON, with a text's JSON put in its place. The same bytes as `render(text)`, without
+    building and dumping the event each round (tests/test_openai.py, tests/test_service.py)."""
+    before, after = render(TEXT_PLACEHOLDER).split(_to_json(TEXT_PLACEHOLDER))
+    return lambda text: before + _to_json(text) + after
+
+
+# /predict's event of a round's text alone (no tokens, no logprobs asked for)
+_text_event = text_template(lambda text: sse({"text": text}))
+
+
+def _text_events(texts: list[str], final: bool) -> str:
+    """/predict's events of rounds taken together, from their texts (Generation.rounds' render_texts)."""
+    return "".join([_text_event(text) for text in texts])

@@ -96,6 +96,17 @@ def char_tokenizer():
     return make_tokenizer()  # one token a character, joined by a Fuse decoder, specials skipped
 
 
+def rounds_of(ids: list[int], cuts: list[int], with_logprobs: bool) -> list[SimpleNamespace]:
+    """Engine chunks of `ids` cut after each of `cuts` tokens (the rest last), with stand-in logprobs or none."""
+    chunks, start = [], 0
+    for size in cuts + [len(ids)]:
+        token_ids = ids[start:start + size]
+        start += size
+        chunks.append(SimpleNamespace(token_ids=token_ids, sources=["draft"] * len(token_ids),
+                                      logprobs=[(start, i) for i in range(len(token_ids))] if with_logprobs else None))
+    return chunks
+
+
 @pytest.mark.parametrize("name", ["byte_tokenizer", "merged_tokenizer", "char_tokenizer"])
 @settings(max_examples=80, deadline=None)
 @given(prompt=st.text(min_size=0, max_size=8), text=st.text("ab.é ", max_size=30) | st.text(max_size=20),
@@ -113,12 +124,7 @@ def test_feed_and_extend_give_each_token_the_text_of_the_offsets_scheme(request,
     if name == "char_tokenizer":  # its special tokens (skipped: no text) among the characters
         ids = ids[:3] + [0, 2] + ids[3:]
     text = decoder_of(tokenizer)(ids)  # what the pieces join to
-    chunks, start = [], 0
-    for size in cuts + [len(ids)]:
-        token_ids = ids[start:start + size]
-        start += size
-        chunks.append(SimpleNamespace(token_ids=token_ids, sources=["draft"] * len(token_ids),
-                                      logprobs=[(start, i) for i in range(len(token_ids))] if with_logprobs else None))
+    chunks = rounds_of(ids, cuts, with_logprobs)
     decode, prompt_ids = decoder_of(tokenizer), tokenizer.encode(prompt)
     fed, extended = (Completion(decode, prompt_ids, stop, concatenative=True) for _ in range(2))
     for chunk in chunks:
@@ -157,12 +163,7 @@ def test_rounds_fed_together_give_each_round_the_text_that_feeding_and_taking_it
     included; text fed before and not taken goes with the first round."""
     tokenizer = request.getfixturevalue(name)
     ids = tokenizer.encode(text)
-    chunks, start = [], 0
-    for size in cuts + [len(ids)]:
-        token_ids = ids[start:start + size]
-        start += size
-        chunks.append(SimpleNamespace(token_ids=token_ids, sources=["draft"] * len(token_ids),
-                                      logprobs=[(start, i) for i in range(len(token_ids))] if with_logprobs else None))
+    chunks = rounds_of(ids, cuts, with_logprobs)
     decode, prompt_ids = decoder_of(tokenizer), tokenizer.encode(prompt)
     one_by_one, together = (Completion(decode, prompt_ids, concatenative=True) for _ in range(2))
     head = chunks[:1] if not taken_first else []  # fed and not taken before the batches

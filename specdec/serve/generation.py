@@ -75,8 +75,9 @@ class Generation:
             return self.completion.feed(chunk.token_ids, chunk.sources, chunk.logprobs, self.service.models.decode_text)
 
     def _next_chunk(self):
-        """The engine's next round (its chunk), or None once decoding has ended (the result kept)."""
-        chunk, result = self.service.engine.call(_advance, self.stream)
+        """The engine's next round (its chunk), or None once decoding has ended (the result kept). Called on the
+        engine thread, as everything that advances the stream (`step`, `run`, a stream's rounds)."""
+        chunk, result = _advance(self.stream)
         if chunk is None:
             self.result = result
             return None
@@ -94,8 +95,9 @@ class Generation:
         return False
 
     def _end(self) -> None:
-        """End decoding after the round just committed; the engine returns its result (and stats)."""
-        self.result = self.service.engine.call(_stop, self.stream)
+        """End decoding after the round just committed; the engine returns its result (and stats). On the engine
+        thread."""
+        self.result = _stop(self.stream)
 
     def _finished_by(self, chunk) -> bool:
         """Whether this round ended decoding anyway (max_new_tokens reached, or an end-of-sequence token)."""
@@ -174,8 +176,10 @@ class Generation:
 
     def _rendered_by_sender(self, render, interval: float, render_texts) -> Iterator[str]:
         def decoded():  # on the engine thread: (the round's chunk, whether it is the last)
+            clock, deadline = time.perf_counter, self.deadline
             while not self.done and (chunk := self._next_chunk()) is not None:
-                self._over_time(chunk)
+                if clock() > deadline:
+                    self._over_time(chunk)
                 yield chunk, self.done or self._finished_by(chunk)
 
         def rendered(items: list) -> str:  # on the greenlet: the rounds it takes at once

@@ -272,12 +272,7 @@ class Completion:
             for chunk in chunks:
                 self.feed(chunk.token_ids, chunk.sources, chunk.logprobs, decode)
             return
-        token_ids, sources, logprobs = [], [], []
-        for chunk in chunks:
-            n = min(len(chunk.token_ids), len(chunk.sources))  # as feed's zip
-            token_ids += chunk.token_ids[:n]
-            sources += chunk.sources[:n]
-            logprobs += chunk.logprobs[:n] if chunk.logprobs is not None else [None] * n
+        token_ids, sources, logprobs, _ = _joined_rounds(chunks)
         self._append_all(token_ids, sources, logprobs, decode)
 
     def feed_rounds(self, chunks: Sequence, decode: Callable[[list[int]], str] | None = None) -> list[str]:
@@ -288,13 +283,7 @@ class Completion:
             raise ValueError("feed_rounds is for a completion without stop strings")
         if not chunks:
             return []
-        token_ids, sources, logprobs, ends = [], [], [], []
-        for chunk in chunks:
-            n = min(len(chunk.token_ids), len(chunk.sources))  # as feed's zip
-            token_ids += chunk.token_ids[:n]
-            sources += chunk.sources[:n]
-            logprobs += chunk.logprobs[:n] if chunk.logprobs is not None else [None] * n
-            ends.append(n)
+        token_ids, sources, logprobs, ends = _joined_rounds(chunks)
         first = len(self.tokens)
         self._append_all(token_ids, sources, logprobs, decode)
         offsets, text, texts, start = self.offsets, self.text, [], self._sent
@@ -385,3 +374,16 @@ class Completion:
             if any(s.startswith(tail) for s in self._stop):
                 return n
         return 0
+
+
+def _joined_rounds(chunks: Iterable) -> tuple[list[int], list[str], list, list[int]]:
+    """The rounds' tokens, sources and log-probabilities (None where not asked for) joined, and how many tokens
+    each round holds (as feed's zip: no more than it has sources)."""
+    token_ids, sources, logprobs, counts = [], [], [], []
+    for chunk in chunks:
+        n = min(len(chunk.token_ids), len(chunk.sources))
+        token_ids += chunk.token_ids[:n]
+        sources += chunk.sources[:n]
+        logprobs += chunk.logprobs[:n] if chunk.logprobs is not None else [None] * n
+        counts.append(n)
+    return token_ids, sources, logprobs, counts

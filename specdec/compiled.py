@@ -82,6 +82,10 @@ class StaticDecoding:
         # (shapes, dtypes, devices) need checking per call: the model and its settings do not change once
         # compiled. The guards on Python objects cost more than a small model's forward (bench/README.md).
         own = types.FunctionType(_step.__code__.replace(), _step.__globals__, _step.__name__)
+        self._own = own
+        # on CPU, once warmed up: the code torch.compile made for width 1 and for wider forwards, called directly
+        # (`_call_directly`), by whether the width is over 1
+        self._direct: dict[bool, types.FunctionType] = {}
         options = {"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe}
         if cuda_graphs:
             options["triton.cudagraphs"] = True  # mode "reduce-overhead", which cannot be named beside options
@@ -145,13 +149,20 @@ class StaticDecoding:
         """(n, V): the logits of the n new tokens, after the cached ones."""
         if owner is not self.owner:
             raise SpecDecError("this model's static cache was taken by a newer request")
-        if ids.shape[1] > MAX_WIDTH:
+        width = ids.shape[1]
+        if width > MAX_WIDTH:
             return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[0]
-        out = self.step(self, ids)
+        out = self.compiled_step(ids)
         return out.clone() if self.cuda_graphs else out  # a CUDA graph's output is overwritten by the next call
 
+    def compiled_step(self, ids: torch.Tensor) -> torch.Tensor:
+        """The compiled forward of `ids` (1, width <= MAX_WIDTH): its code called directly where it can be
+        (`_call_directly`), else through torch.compile's guards."""
+        return self._direct.get(ids.shape[1] > 1, self.step)(self, ids)
+
     def warm_up(self) -> None:
-        """Compile (and on CUDA, record) every width up to MAX_WIDTH on a throwaway sequence."""
+        """Compile (and on CUDA, record) every width up to MAX_WIDTH on a throwaway sequence; on CPU, then call
+        the compiled code directly (`_call_directly`)."""
         device = input_device(self.model)
         ids = torch.zeros(1, MAX_WIDTH + 1, dtype=torch.long, device=device)
         owner = object()
@@ -162,7 +173,46 @@ class StaticDecoding:
             for width in range(1, MAX_WIDTH + 1):
                 self.forward(owner, ids[:, :width])
                 self.cache.crop(-width)
+            if not self.cuda_graphs:
+                self._call_directly(owner, ids)
         self.claim(None)
+
+    def _call_directly(self, owner: object, ids: torch.Tensor) -> None:
+        """From now on call the code torch.compile made directly, without its wrapper and guards (vLLM's dispatch
+        to the compiled code): 20-25 us less a forward, a fifth of the tiny pair's compiled step (bench/README.md,
+        "Rounds bound by overhead"). The guards it skips are those on tensors (the others are dropped already):
+        this model's parameters and cache, always the same tensors, and `ids`, always (1, width) integers on the
+        model's device, width at most MAX_WIDTH; they pick the graph by width, and so does `forward` here: the
+        graph made for width 1 alone where there is one, and the one whose guards take every wider width. Taken
+        only where there is such a graph and, at every width, the direct call gives the very logits of the
+        guarded one; else the guarded calls stay."""
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        entries = _debug_get_cache_entry_list(self._own.__code__)
+
+        def takes(entry, width: int) -> bool:
+            return bool(entry.guard_manager.check({"decoding": self, "ids": ids[:, :width]}))
+
+        wide = [entry for entry in entries if all(takes(entry, width) for width in range(2, MAX_WIDTH + 1))]
+        one = [entry for entry in entries if takes(entry, 1) and not takes(entry, 2)] or \
+            [entry for entry in wide if takes(entry, 1)]
+        if not wide or not one:
+            logger.debug("not calling the compiled code directly: no graph for %s", "width 1" if wide else "widths 2+")
+            return
+        codes = {wider: types.FunctionType(entries_[0].code, self._own.__globals__, self._own.__name__)
+                 for wider, entries_ in ((False, one), (True, wide))}
+        prefix = ids[:, :3]  # a few positions in, as a request's steps are
+        self.forward(owner, prefix)
+        for width in range(1, MAX_WIDTH + 1):
+            guarded = self.step(self, ids[:, :width]).clone()
+            self.cache.crop(-width)
+            direct = codes[width > 1](self, ids[:, :width])
+            self.cache.crop(-width)
+            if not torch.equal(guarded, direct):
+                logger.warning("the compiled code called directly differs at width %d; it is called guarded", width)
+                return
+        self.cache.crop(-prefix.shape[1])
+        self._direct = codes
 
 
 def _elements(model) -> int:

@@ -160,12 +160,50 @@ def test_a_model_over_the_cpp_wrapper_bound_compiles_with_the_python_wrapper_and
     large_draft, large_target = copy.deepcopy(draft), copy.deepcopy(target)
     assert compile_model(large_draft, CPU) and compile_model(large_target, CPU)
     assert not any("cpp_wrapper" in chosen for chosen in options)
+    assert set(large_target.specdec_static._direct) == {False, True}  # called directly with either wrapper
     prompt = [5, 17, 42, 8, 99, 3, 5, 17, 42, 8]
     reference = SpeculativeDecoder(draft, target).generate(prompt, max_new_tokens=24, method="target",
                                                            temperature=0, eos_token_id=[]).token_ids
     result = SpeculativeDecoder(large_draft, large_target).generate(prompt, max_new_tokens=24, method="google",
                                                                     temperature=0, eos_token_id=[])
     assert result.token_ids == reference and result.stats.accepted > 0
+
+
+def test_the_compiled_code_is_called_directly_and_gives_the_guarded_calls_logits(greedy_pairs):
+    """On CPU each width class (1, and over 1) calls the code torch.compile made directly, past its wrapper and
+    guards: at every width, deep into a sequence and after a rollback, the very logits of the guarded call."""
+    _, (draft, target) = greedy_pairs
+    for model in (draft, target):
+        static = model.specdec_static
+        assert set(static._direct) == {False, True}
+        assert static._direct[False].__code__ is not static._direct[True].__code__  # width 1's own graph
+        cached = cache_for(model, 200)
+        cached.forward(list(range(1, 41)))  # 40 positions in (the prefill: eager, on the same cache)
+        for width in (1, 2, 5, MAX_WIDTH):
+            ids = torch.tensor([[(7 * width + i) % 100 for i in range(width)]])
+            with torch.inference_mode():
+                guarded = static.step(static, ids).clone()
+                static.cache.crop(-width)
+            assert torch.equal(cached.forward(ids[0].tolist(), keep=width), guarded)
+            cached.rollback(40)
+
+
+def test_a_model_whose_direct_calls_differ_keeps_the_guarded_ones(greedy_pairs, monkeypatch, caplog):
+    """Where a direct call's logits are not the guarded call's (here made to seem so) the model keeps calling
+    through torch.compile's guards, and decodes as before."""
+    (draft, target), _ = greedy_pairs
+    equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: False)
+    odd = copy.deepcopy(target)
+    with caplog.at_level("WARNING", logger="specdec.compiled"):
+        assert compile_model(odd, CPU)
+    monkeypatch.setattr(torch, "equal", equal)
+    assert odd.specdec_static._direct == {} and "called guarded" in caplog.text
+    prompt = [5, 17, 42, 8, 99, 3]
+    reference = SpeculativeDecoder(draft, target).generate(prompt, max_new_tokens=12, method="target",
+                                                           temperature=0, eos_token_id=[]).token_ids
+    assert SpeculativeDecoder(draft, odd).generate(prompt, max_new_tokens=12, method="target", temperature=0,
+                                                   eos_token_id=[]).token_ids == reference
 
 
 # --- the static cache --------------------------------------------------------------------------------------------
@@ -345,15 +383,15 @@ def test_a_request_that_fails_mid_forward_leaves_nothing_held(greedy_pairs, monk
     compiled = SpeculativeDecoder(fast_draft, fast_target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
     compiled.generate(CHAT, max_new_tokens=8, temperature=0, eos_token_id=[])
     calls = {"n": 0}
-    step = fast_target.specdec_static.step
+    step = fast_target.specdec_static.compiled_step
 
-    def failing(decoding, ids):
+    def failing(ids):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("the device went away")
-        return step(decoding, ids)
+        return step(ids)
 
-    monkeypatch.setattr(fast_target.specdec_static, "step", failing)
+    monkeypatch.setattr(fast_target.specdec_static, "compiled_step", failing)
     with pytest.raises(RuntimeError, match="went away"):
         compiled.generate(CHAT + [1, 2], max_new_tokens=8, temperature=0, eos_token_id=[])
     monkeypatch.undo()

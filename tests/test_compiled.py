@@ -188,6 +188,15 @@ def test_the_compiled_code_is_called_directly_and_gives_the_guarded_calls_logits
             cached.rollback(40)
 
 
+def assert_decodes_as_eager(draft, target, compiled_target) -> None:
+    """`compiled_target` decodes greedily as the eager `target` does (target-only)."""
+    prompt = [5, 17, 42, 8, 99, 3]
+    reference = SpeculativeDecoder(draft, target).generate(prompt, max_new_tokens=12, method="target",
+                                                           temperature=0, eos_token_id=[]).token_ids
+    assert SpeculativeDecoder(draft, compiled_target).generate(prompt, max_new_tokens=12, method="target",
+                                                               temperature=0, eos_token_id=[]).token_ids == reference
+
+
 def test_a_model_whose_direct_calls_differ_keeps_the_guarded_ones(greedy_pairs, monkeypatch, caplog):
     """Where a direct call's logits are not the guarded call's (here made to seem so) the model keeps calling
     through torch.compile's guards, and decodes as before."""
@@ -199,11 +208,24 @@ def test_a_model_whose_direct_calls_differ_keeps_the_guarded_ones(greedy_pairs, 
         assert compile_model(odd, CPU)
     monkeypatch.setattr(torch, "equal", equal)
     assert odd.specdec_static._direct == {} and "called guarded" in caplog.text
-    prompt = [5, 17, 42, 8, 99, 3]
-    reference = SpeculativeDecoder(draft, target).generate(prompt, max_new_tokens=12, method="target",
-                                                           temperature=0, eos_token_id=[]).token_ids
-    assert SpeculativeDecoder(draft, odd).generate(prompt, max_new_tokens=12, method="target", temperature=0,
-                                                   eos_token_id=[]).token_ids == reference
+    assert_decodes_as_eager(draft, target, odd)
+
+
+def test_a_failure_finding_the_compiled_code_keeps_the_guarded_calls_not_the_eager_path(greedy_pairs, monkeypatch):
+    """Where reading dynamo's cache entries fails (its internals moved), the model is still compiled and calls
+    through the guards."""
+    import torch._dynamo.eval_frame as eval_frame
+
+    (draft, target), _ = greedy_pairs
+
+    def moved(code):
+        raise AttributeError("no cache entries here")
+
+    monkeypatch.setattr(eval_frame, "_debug_get_cache_entry_list", moved)
+    odd = copy.deepcopy(target)
+    assert compile_model(odd, CPU) and odd.specdec_static._direct == {}
+    monkeypatch.undo()
+    assert_decodes_as_eager(draft, target, odd)
 
 
 # --- the static cache --------------------------------------------------------------------------------------------

@@ -208,9 +208,10 @@ class StaticDecoding:
         prefix = ids[:, :3]  # a few positions in, as a request's steps are
         self.forward(owner, prefix)
         for width in range(1, MAX_WIDTH + 1):
-            guarded = self.step(self, ids[:, :width]).clone()
+            step = ids[:, :width].clone()  # a tensor of its own, as a request's (StaticCachedModel.forward)
+            guarded = self.step(self, step).clone()
             self.cache.crop(-width)
-            direct = codes[width > 1](self, ids[:, :width])
+            direct = codes[width > 1](self, step)
             self.cache.crop(-width)
             if not torch.equal(guarded, direct):
                 logger.warning("the compiled code called directly differs at width %d; it is called guarded", width)

@@ -208,7 +208,8 @@ class StaticDecoding:
         prefix = ids[:, :3]  # a few positions in, as a request's steps are
         self.forward(owner, prefix)
         for width in range(1, MAX_WIDTH + 1):
-            step = ids[:, :width].clone()  # a tensor of its own, as a request's (StaticCachedModel.forward)
+            with torch.inference_mode(False):  # a tensor of its own, as a request's (StaticCachedModel.forward)
+                step = ids[:, :width].clone()
             guarded = self.step(self, step).clone()
             self.cache.crop(-width)
             direct = codes[width > 1](self, step)

@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from specdec import SpecDecError, SpeculativeDecoder
 from specdec.compiled import MAX_WIDTH, StaticCachedModel, cache_for, compile_model, resolve_compile
@@ -177,6 +178,7 @@ def test_the_compiled_code_is_called_directly_and_gives_the_guarded_calls_logits
         static = model.specdec_static
         assert set(static._direct) == {False, True}
         assert static._direct[False].__code__ is not static._direct[True].__code__  # width 1's own graph
+        assert len(_debug_get_cache_entry_list(static._own.__code__)) == 2  # the self-check compiled no more
         cached = cache_for(model, 200)
         cached.forward(list(range(1, 41)))  # 40 positions in (the prefill: eager, on the same cache)
         for width in (1, 2, 5, MAX_WIDTH):

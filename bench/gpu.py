@@ -186,7 +186,10 @@ def stage_in_process(run: Run, compiled: bool) -> dict:
     draft, target, tokenizer = load_pair(draft_dir, target_dir, device=run.device, compile=compiled,
                                          draft_quantization="none")
     row = {"load_seconds": time.perf_counter() - started,
-           "compiled": [hasattr(m, "specdec_static") for m in (draft, target)]}
+           "compiled": [hasattr(m, "specdec_static") for m in (draft, target)],
+           # the compiled code called past torch.compile's wrapper and guards (CPU only: CUDA keeps the guards)
+           "called_directly": [hasattr(m, "specdec_static") and m.specdec_static.called_directly
+                               for m in (draft, target)]}
     decoder = SpeculativeDecoder(draft, target, tokenizer)
     ids = encode_prompt(tokenizer, overhead.PROMPT, False)
     for method in overhead.METHODS:

@@ -155,6 +155,11 @@ class StaticDecoding:
         out = self.compiled_step(ids)
         return out.clone() if self.cuda_graphs else out  # a CUDA graph's output is overwritten by the next call
 
+    @property
+    def called_directly(self) -> bool:
+        """Whether the compiled code is called past torch.compile's wrapper and guards (`_call_directly`)."""
+        return bool(self._direct)
+
     def compiled_step(self, ids: torch.Tensor) -> torch.Tensor:
         """The compiled forward of `ids` (1, width <= MAX_WIDTH): its code called directly where it can be
         (`_call_directly`), else through torch.compile's guards."""

@@ -464,6 +464,7 @@ def test_gpu_script_smoke_on_cpu(tmp_path):
         assert stages["compiled-forwards"][model]["compile_seconds"] > 0
         assert all(ms > 0 for ms in stages["compiled-forwards"][model]["ms_by_width"].values())
     assert stages["compiled"]["compiled"] == [True, True]
+    assert stages["compiled"]["called_directly"] == [True, True]  # on CPU
     turn = stages["compiled"]["next_turn"]  # the compiled path's prompt cache: the static caches, then a copy
     assert turn["held"]["cached_tokens"] == turn["copy"]["cached_tokens"] > 0 == turn["none"]["cached_tokens"]
     for path in ("eager", "compiled"):

@@ -176,7 +176,7 @@ def test_the_compiled_code_is_called_directly_and_gives_the_guarded_calls_logits
     _, (draft, target) = greedy_pairs
     for model in (draft, target):
         static = model.specdec_static
-        assert set(static._direct) == {False, True}
+        assert static.called_directly and set(static._direct) == {False, True}
         assert static._direct[False].__code__ is not static._direct[True].__code__  # width 1's own graph
         assert len(_debug_get_cache_entry_list(static._own.__code__)) == 2  # the self-check compiled no more
         cached = cache_for(model, 200)
@@ -209,7 +209,7 @@ def test_a_model_whose_direct_calls_differ_keeps_the_guarded_ones(greedy_pairs, 
     with caplog.at_level("WARNING", logger="specdec.compiled"):
         assert compile_model(odd, CPU)
     monkeypatch.setattr(torch, "equal", equal)
-    assert odd.specdec_static._direct == {} and "called guarded" in caplog.text
+    assert not odd.specdec_static.called_directly and "called guarded" in caplog.text
     assert_decodes_as_eager(draft, target, odd)
 
 
@@ -225,7 +225,7 @@ def test_a_failure_finding_the_compiled_code_keeps_the_guarded_calls_not_the_eag
 
     monkeypatch.setattr(eval_frame, "_debug_get_cache_entry_list", moved)
     odd = copy.deepcopy(target)
-    assert compile_model(odd, CPU) and odd.specdec_static._direct == {}
+    assert compile_model(odd, CPU) and not odd.specdec_static.called_directly
     monkeypatch.undo()
     assert_decodes_as_eager(draft, target, odd)
 

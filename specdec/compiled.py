@@ -149,8 +149,7 @@ class StaticDecoding:
         """(n, V): the logits of the n new tokens, after the cached ones."""
         if owner is not self.owner:
             raise SpecDecError("this model's static cache was taken by a newer request")
-        width = ids.shape[1]
-        if width > MAX_WIDTH:
+        if ids.shape[1] > MAX_WIDTH:
             return self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[0]
         out = self.compiled_step(ids)
         return out.clone() if self.cuda_graphs else out  # a CUDA graph's output is overwritten by the next call

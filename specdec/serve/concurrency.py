@@ -224,9 +224,9 @@ class _Outbox:
                     else:
                         taken.append(item)
                 if taken:
-                    self._taken_at, self._full = time.monotonic(), False
+                    self._taken_at = sent = time.monotonic()
+                    self._full = False
                     _release(self._space)
-                    sent = time.monotonic()
                     if joined := ("".join(taken) if convert is None else convert(taken)):
                         yield joined
                     if ending is None and (pause := sent + interval - time.monotonic()) > 0:

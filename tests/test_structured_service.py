@@ -94,8 +94,8 @@ def test_tool_calls_are_read_back_and_text_kept():
 
 
 @pytest.mark.parametrize("cut", ["<tool_call>", '<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", '
-                                 '"arguments": {"x": 2}}\n</tool'])
-def test_a_last_call_cut_off_by_max_tokens_is_not_given_as_text(cut):
+                                 '"arguments": '])
+def test_a_last_call_cut_before_its_arguments_is_not_given_as_text(cut):
     """Found trying the quick start: tool_choice "required" with parallel calls, the default pair repeated its call
     until max_tokens cut the fourth one after its opening tag, and the answer's content was "<tool_call>"."""
     whole = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
@@ -103,6 +103,25 @@ def test_a_last_call_cut_off_by_max_tokens_is_not_given_as_text(cut):
     assert content == "Here." and [json.loads(c.function.arguments) for c in calls] == [{"x": 1}]
     assert parse_tool_calls(whole + cut)[0] is None
     assert parse_tool_calls(cut) == (cut, [])  # nothing parses: the text as the model wrote it
+
+
+@pytest.mark.parametrize("cut, arguments", [('{"x": 2', '{"x": 2'), ('{"x": "}{"}', '{"x": "}{"}'),
+                                            ('{"x": 2}}', '{"x": 2}'), ('{"x": 2}}\n</tool', '{"x": 2}')])
+def test_a_last_call_cut_in_or_after_its_arguments_is_a_call_as_far_as_decoded(cut, arguments):
+    """Found by an audit: max_tokens cut the closing tag, a stream had sent the call (its arguments complete) and
+    then its markup as content, while the answer whole gave the markup alone. Now both give the call, its
+    arguments as far as they were decoded (what ToolCallReader streams), and no markup."""
+    text = 'Here.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n{"name": "g", ' \
+           '"arguments": ' + cut
+    content, calls = parse_tool_calls(text)
+    assert content == "Here." and [(c.function.name, c.function.arguments) for c in calls] == [
+        ("f", '{"x": 1}'), ("g", arguments)]
+    reader, pieces = ToolCallReader(), []
+    for end in range(len(text) + 1):
+        pieces += reader.read(text[:end])
+    assert "".join(piece for i, call_id, _, piece in pieces if i == 1 and not call_id) == arguments
+    alone = parse_tool_calls(text[text.rindex("<tool_call>"):])
+    assert alone[0] is None and [c.function.arguments for c in alone[1]] == [arguments]
 
 
 def test_tool_calls_read_as_the_text_grows_stream_their_arguments_as_parsed():
@@ -145,6 +164,36 @@ def test_a_streamed_tool_call_sends_its_arguments_as_they_are_decoded(client):
     assert len(pieces) > 1
     assert "".join(pieces) == whole["message"]["tool_calls"][0]["function"]["arguments"]
     assert set(json.loads("".join(pieces))) == {"a", "b"}
+
+
+def test_a_tool_call_cut_by_max_tokens_streams_as_it_answers_whole(client):
+    """For every max_tokens that cuts the required call (before its name, in its arguments, in its closing tag),
+    the stream's deltas accumulate to the answer whole: the same calls with the same arguments, the same
+    content, finish_reason "length" (found by an audit: a cut closing tag gave the call streamed, then its
+    markup as content, and the markup alone whole)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}}}
+    body = {"model": "target", "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "temperature": 0,
+            "tool_choice": "required", "parallel_tool_calls": False}
+    full = client.post("/v1/chat/completions", json={**body, "max_tokens": 120}).get_json()
+    length = full["usage"]["completion_tokens"]
+    assert full["choices"][0]["finish_reason"] == "tool_calls" and length > 12
+    for max_tokens in [*range(3, 12, 4), *range(length - 14, length)]:
+        whole = client.post("/v1/chat/completions", json={**body, "max_tokens": max_tokens}).get_json()["choices"][0]
+        response = client.post("/v1/chat/completions", json={**body, "max_tokens": max_tokens, "stream": True})
+        deltas = [json.loads(line.removeprefix("data: "))["choices"][0] for line in
+                  response.get_data(as_text=True).splitlines() if line.startswith("data: {")]
+        calls, content = {}, "".join(d["delta"].get("content") or "" for d in deltas)
+        for call in (c for d in deltas for c in d["delta"].get("tool_calls") or []):
+            name = calls.setdefault(call["index"], [None, ""])
+            name[0] = call["function"].get("name") or name[0]
+            name[1] += call["function"].get("arguments") or ""
+        expected = [[c["function"]["name"], c["function"]["arguments"]] for c in whole["message"].get("tool_calls") or []]
+        assert [calls[i] for i in sorted(calls)] == expected, max_tokens
+        assert (content or None) == whole["message"]["content"], max_tokens
+        assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "length", max_tokens
+        if expected:  # a call's markup is not content (a cut before any call's name is kept as text, whole too)
+            assert "<tool_call" not in content and "</tool" not in content, max_tokens
 
 
 @pytest.mark.parametrize("choice, more", [("required", True), ({"type": "function", "function": {"name": "add"}}, False)])

@@ -207,10 +207,14 @@ def tool_constraint(tools: list[Tool], tool_choice, parallel: bool, special: boo
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     """(the text outside the calls, or None if there is none; the calls) of a completion. A call's arguments are
     the model's own JSON text where they are an object after the name (as `ToolCallReader` streams them), else
-    re-serialized. Beside whole calls, a last call left unfinished (max_tokens) is dropped, not given as text;
-    where no call parses, the text is kept whole."""
-    calls = []
+    re-serialized. A last call left unfinished (max_tokens, or the time limit) is a call too once its name is
+    complete and its arguments have begun, with its arguments as far as they were decoded: what `ToolCallReader`
+    has streamed of it, so that a stream and the same request answered whole agree. Its markup is not given as
+    text, nor is that of a last call cut before its name after whole ones; where no call parses, the text is kept
+    whole."""
+    calls, rest = [], 0  # rest: where the text after the last whole call begins
     for match in CALL.finditer(text):
+        rest = match.end()
         try:
             call = json.loads(match.group(1))
         except json.JSONDecodeError:
@@ -222,13 +226,27 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         end = value_end(match.group(1), head.end()) if head and isinstance(arguments, dict) else None
         raw = match.group(1)[head.end():end] if end is not None else json.dumps(arguments, ensure_ascii=False)
         calls.append(ToolCall(id=call_id(), function=FunctionCall(name=call["name"], arguments=raw)))
-    content = CALL.sub("", text) if calls else text
-    if calls:  # a call cut off by max_tokens after whole ones: its opening markup is not the model's answer text
-        tail = content.rfind(CALL_BEGIN)
-        if tail >= 0 and CALL_END not in content[tail:]:
-            content = content[:tail]
-        content = content.strip()
-    return content or None, calls
+    tail = text.find(CALL_BEGIN, rest)
+    unfinished = tail >= 0 and CALL_END not in text[tail:]
+    if unfinished and (call := _unfinished_call(text[tail + len(CALL_BEGIN):])) is not None:
+        calls.append(call)
+    content = CALL.sub("", text[:tail] if unfinished and calls else text) if calls else text
+    return (content.strip() if calls else content) or None, calls
+
+
+def _unfinished_call(body: str) -> ToolCall | None:
+    """A call whose closing tag was never decoded, read as `ToolCallReader` streams it: its name once complete,
+    its arguments from their start to the end of their JSON value or of the text; None before its arguments
+    begin."""
+    head = CALL_HEAD.match(body)
+    if head is None or head.end() >= len(body):
+        return None
+    try:
+        name = json.loads(f'"{head.group(1)}"')
+    except json.JSONDecodeError:
+        return None
+    end = value_end(body, head.end())
+    return ToolCall(id=call_id(), function=FunctionCall(name=name, arguments=body[head.end():end or len(body)]))
 
 
 def call_id() -> str:

@@ -2,6 +2,10 @@
 `make stress`): the bad-request corpus over a socket, 16 concurrent clients, faults (disconnect, exception,
 out of memory, an error after a stream started) and a short soak (no descriptor or thread growth)."""
 
+import json
+import socket
+from urllib.parse import urlsplit
+
 import pytest
 import requests
 
@@ -29,6 +33,29 @@ def test_bad_request_over_a_socket(server, good_answer, bad):
     headers = {"Content-Type": bad.content_type} if bad.content_type else {}
     response = requests.request(bad.method, server.url + bad.path, data=bad.body, headers=headers, timeout=60)
     check_error(response.status_code, response.headers["Content-Type"], response.text, bad)
+    assert server.post(GOOD).json()["text"] == good_answer
+
+
+@pytest.mark.parametrize("head, status", [
+    (b"GARBAGE\r\n\r\n", 400),
+    (b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", 400),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n", 431),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n", 431),
+], ids=["request line", "negative length", "a huge header", "200 headers"])
+def test_what_gunicorn_cannot_parse_is_answered_in_json(server, good_answer, head, status):
+    """gunicorn answers a request it cannot parse itself, before the app: in the service's JSON error shape (it
+    was gunicorn's HTML page; found by an audit), and the service goes on serving."""
+    with socket.create_connection(urlsplit(server.url)[1].split(":"), timeout=30) as sock:
+        sock.sendall(head)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert status_line.split()[1] == str(status).encode(), answer[:300]
+    assert b"content-type: application/json" in headers.lower(), answer[:300]
+    error = json.loads(body)["error"]
+    assert error["type"] == "bad_request" and error["message"] and error["field"] is None, error
     assert server.post(GOOD).json()["text"] == good_answer
 
 

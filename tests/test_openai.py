@@ -692,6 +692,11 @@ def test_retrieve_model_is_the_listed_card_and_404_for_any_other_id(client):
     ("GET", "/v1", 404, "not_found"),
     ("GET", "/v1/completions", 405, "method_not_allowed"),
     ("POST", "/v1/models", 405, "method_not_allowed"),
+    # a doubled slash was werkzeug's 308 redirect to the merged path, in HTML (found by an audit)
+    ("POST", "/v1//completions", 404, "not_found"),
+    ("POST", "/v1/chat//completions", 404, "not_found"),
+    ("GET", "/v1//models", 404, "not_found"),
+    ("GET", "/v1/models//target", 404, "not_found"),
 ])
 def test_unknown_route_or_method_under_v1(client, method, path, status, code):
     response = client.open(path, method=method, json={})

@@ -32,6 +32,8 @@ def create_app(config: Mapping | None = None) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes + 1
     app.json.sort_keys = False
     app.json.ensure_ascii = False
+    # a doubled slash (/v1//completions) is no route: a JSON 404, not werkzeug's HTML redirect to the merged path
+    app.url_map.merge_slashes = False
     service = Service(settings)
     app.extensions["specdec"] = service
 

@@ -7,12 +7,15 @@
 - draining on SIGTERM: the service refuses new requests at once (503 with Retry-After, /readyz 503) but the
   worker keeps accepting and answering until the requests in flight and queued are done, then stops as gunicorn's
   gevent worker does, all within gunicorn's graceful_timeout;
+- gunicorn's own error answers (a request line or headers it cannot parse: 400, 414, 431) in the service's JSON
+  error shape, not gunicorn's HTML page;
 - `end_process`, which gunicorn.conf.py's worker_exit hook calls, to leave without interpreter shutdown.
 
 gevent patches the process itself when the worker starts (before the app is loaded), as gunicorn's own gevent
 worker does; the master is never patched.
 """
 
+import json
 import logging
 import os
 import resource
@@ -22,6 +25,7 @@ import warnings
 
 import gevent
 from gevent.monkey import MonkeyPatchWarning
+from gunicorn import util
 from gunicorn.workers.ggevent import GeventWorker
 
 logger = logging.getLogger(__name__)
@@ -41,6 +45,7 @@ class Worker(GeventWorker):
     def init_process(self):
         self.worker_connections = descriptors_for(self.worker_connections)
         ready_cpu_kernel()  # before gevent patches subprocess
+        util.write_error = write_json_error  # in this worker process: what gunicorn's handle_error writes with
         super().init_process()  # patches, loads the app (the models start loading on the engine thread), runs
 
     def patch(self):
@@ -82,6 +87,17 @@ class Worker(GeventWorker):
         logger.info("drained in %.1f s%s", time.monotonic() - started,
                     "" if self.service.idle else " (graceful_timeout reached, requests still running)")
         self.alive = False  # gunicorn's gevent worker closes its listeners and lets the open connections end
+
+
+def write_json_error(sock, status: int, reason: str, message: str) -> None:
+    """gunicorn's answer to a request it could not parse (its line, its headers, a chunk), as
+    `gunicorn.util.write_error` writes it, with the service's error body in place of an HTML page: its type
+    `bad_request` (`internal_error` for a 5xx), gunicorn's message, no field."""
+    body = json.dumps({"error": {"type": "internal_error" if status >= 500 else "bad_request",
+                                 "message": message or reason, "field": None}}).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    util.write_nonblock(sock, head.encode("latin-1") + body)
 
 
 def end_process() -> None:

@@ -7,6 +7,7 @@ goes to the DEBUG log.
 """
 
 import logging
+import numbers
 import os
 import time
 from collections.abc import Generator, Iterable, Iterator
@@ -370,7 +371,7 @@ class SpeculativeDecoder:
         `sampling`: any other SamplingParams field by its name, e.g. drafter ("model", "lookup" or "hybrid"),
         verification ("token" or "block"), draft_confidence_threshold, logit_bias ({token id: bias}),
         presence_penalty, frequency_penalty, repetition_penalty, logprobs, ignore_eos (SamplingParams says what
-        each does). `params`, if given, is used instead of the sampling keywords. `grammar`
+        each does). `params`, if given, holds them all: a sampling keyword beside it is an error. `grammar`
         (grammar.GrammarCompiler.compile's) constrains the output: the target's distribution with the tokens the
         grammar forbids removed, at every position, before temperature, top-k and top-p."""
         stream = self.stream(input_ids, max_new_tokens=max_new_tokens, method=method, gamma=gamma,
@@ -401,6 +402,13 @@ class SpeculativeDecoder:
                                        **sampling})
         elif not isinstance(params, SamplingParams):
             raise SpecDecError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
+        else:  # a keyword beside params would be ignored: refused instead (it cannot tell a default given again)
+            given = {"max_new_tokens": max_new_tokens != 64, "method": method != "google", "gamma": gamma != 4,
+                     "temperature": temperature != 1.0, "top_k": top_k != 0, "top_p": top_p != 1.0,
+                     "seed": seed is not None} | dict.fromkeys(sampling, True)
+            if clash := [name for name, differs in given.items() if differs]:
+                raise SpecDecError(f"{clash[0]} was given beside params: set it in params (params.replace("
+                                   f"{clash[0]}=...))", field=clash[0])
         seed = int.from_bytes(os.urandom(8), "little") >> 1 if params.seed is None else params.seed % 2**64
         if self.context_length is not None and len(prompt) >= self.context_length:
             raise SpecDecError(
@@ -504,14 +512,16 @@ class SpeculativeDecoder:
 
     def _prompt(self, input_ids) -> list[int]:
         if isinstance(input_ids, torch.Tensor):
-            if input_ids.dim() == 2 and input_ids.size(0) != 1:
-                raise SpecDecError("only batch size 1 is supported", field="input_ids")
+            if input_ids.dim() not in (1, 2) or input_ids.dim() == 2 and input_ids.size(0) != 1:
+                raise SpecDecError(f"only batch size 1 is supported: input_ids must have shape (n,) or (1, n), got "
+                                   f"{tuple(input_ids.shape)}", field="input_ids")
             input_ids = input_ids.reshape(-1).tolist()
         if not isinstance(input_ids, (list, tuple)) or not input_ids:
             raise SpecDecError("input_ids must be a non-empty list of token ids or a 1 x n tensor", field="input_ids")
-        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size for t in input_ids):
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size
+               for t in input_ids):  # Integral: numpy's integers too
             raise SpecDecError(f"input_ids must be integers in [0, {self.vocab_size})", field="input_ids")
-        return list(input_ids)
+        return [int(t) for t in input_ids]
 
     def _autoregress(self, req: _Request, probs: "_Warper") -> Iterator[Chunk]:
         """Target-only or draft-only decoding with a KV cache: one forward, one token."""

@@ -545,6 +545,36 @@ def test_bad_prompt(decoder, prompt):
         decoder.generate(prompt)
 
 
+@pytest.mark.parametrize("shape", [(2, 3), (1, 1, 3), (2, 1, 3), ()])
+def test_a_batch_or_a_scalar_tensor_is_refused_not_joined(decoder, shape):
+    """Found by an audit: a (2, 1, n) batch was flattened into one prompt of 2n tokens."""
+    with pytest.raises(SpecDecError, match="batch size 1") as error:
+        decoder.generate(torch.ones(shape, dtype=torch.long), max_new_tokens=2)
+    assert error.value.field == "input_ids"
+
+
+def test_numpy_integers_are_token_ids(decoder):
+    import numpy as np
+
+    ids = [1, 2, 3]
+    assert decoder.generate(np.array(ids).tolist(), max_new_tokens=4, seed=0).token_ids == \
+        decoder.generate([np.int64(t) for t in ids], max_new_tokens=4, seed=0).token_ids
+    with pytest.raises(SpecDecError, match="integers"):
+        decoder.generate([np.float32(1.0)])
+
+
+@pytest.mark.parametrize("keyword", [{"temperature": 0}, {"max_new_tokens": 3}, {"seed": 1}, {"gamma": None},
+                                     {"drafter": "lookup"}])
+def test_a_sampling_keyword_beside_params_is_refused_not_ignored(decoder, keyword):
+    """Found by an audit: generate(ids, params=..., temperature=0) sampled at the params' temperature."""
+    (name, _), = keyword.items()
+    with pytest.raises(SpecDecError, match=f"{name} was given beside params") as error:
+        decoder.generate([1, 2, 3], params=SamplingParams(max_new_tokens=8, temperature=1.0, seed=0), **keyword)
+    assert error.value.field == name
+    assert len(decoder.generate([1, 2, 3], params=SamplingParams(max_new_tokens=8, seed=0), eos_token_id=[])
+               .token_ids) == 8  # the end tokens are not a sampling keyword
+
+
 def test_prompt_that_fills_the_context_is_an_error():
     target = make_model("gpt2", context=16)
     decoder = SpeculativeDecoder(target, target)

@@ -24,6 +24,7 @@ from .params import (
     METHODS,
     MIN_TEMPERATURE,
     REPETITION_PENALTY_BOUNDS,
+    SEED_MAX,
     VERIFICATIONS,
     LookupSettings,
     SamplingParams,
@@ -112,7 +113,8 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
                              "the other drafters (default)")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="mark each token by its source (coloured on a terminal) and log progress")
-    parser.add_argument("-s", "--seed", type=_checked(int, lambda s: s >= 0, "must be a non-negative integer"),
+    parser.add_argument("-s", "--seed", type=_checked(int, lambda s: 0 <= s <= SEED_MAX,
+                                                      f"must be an integer from 0 to {SEED_MAX}"),
                         default=None, help="random seed, shared by all methods (default: random)")
     parser.add_argument("-M", "--max_tokens", type=_sampling_flag("max_new_tokens", int, "must be an integer >= 1"),
                         default=20, help="tokens to generate (default 20)")
@@ -265,11 +267,11 @@ def title(label: str, method: str, drafter: str) -> str:
 
 
 def benchmark(decoder, prompt, runs, args, seed: int, grammar=None) -> list[dict]:
-    """Each (label, method, drafter) `args.repeats` times (seeds seed, seed+1, ...): generated tokens/s and speedup
-    over target."""
+    """Each (label, method, drafter) `args.repeats` times (seeds seed, seed+1, ..., modulo 2**64): generated
+    tokens/s and speedup over target."""
     rows = []
     for label, method, drafter in runs:
-        stats = [decoder.generate(prompt, params=sampling_params(args, method, seed + i, drafter),
+        stats = [decoder.generate(prompt, params=sampling_params(args, method, (seed + i) % (SEED_MAX + 1), drafter),
                                   grammar=grammar).stats
                  for i in range(args.repeats)]
         rows.append({"method": label, **summed(stats)})
@@ -299,20 +301,36 @@ def lookup_settings(args) -> LookupSettings:
         raise SpecDecError(f"--{flag}: {error.message}", field=flag) from None
 
 
-def compile_constraint(args, tokenizer, vocab_size: int):
-    """--json-schema FILE or --regex compiled for the tokenizer; None without either."""
-    from .grammar import Constraint, GrammarCompiler
+def read_constraint(args):
+    """The grammar.Constraint of --json-schema FILE (read and parsed) or --regex; None without either. Before the
+    models load, so that a missing file, bad JSON or a combination the engine refuses ends the run at once."""
+    from .grammar import Constraint
 
     if args.json_schema is not None:
         try:
             with open(args.json_schema, encoding="utf-8") as file:
                 schema = json.load(file)
+        except (OSError, UnicodeDecodeError) as error:
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+            raise SpecDecError(f"--json-schema: cannot read {args.json_schema}: {reason}", field="json_schema") from None
         except json.JSONDecodeError as error:
             raise SpecDecError(f"--json-schema: {args.json_schema} is not JSON: {error}", field="json_schema") from None
         constraint = Constraint.json_schema(schema, field="json_schema")
     elif args.regex is not None:
         constraint = Constraint("regex", args.regex, field="regex")
     else:
+        return None
+    if args.min_tokens:
+        raise SpecDecError(f"--min_tokens cannot be combined with --{constraint.field.replace('_', '-')}, whose "
+                           "grammar decides where the output ends", field="min_tokens")
+    return constraint
+
+
+def compile_constraint(constraint, tokenizer, vocab_size: int):
+    """A constraint (read_constraint's) compiled for the tokenizer; None for None."""
+    from .grammar import GrammarCompiler
+
+    if constraint is None:
         return None
     try:
         return GrammarCompiler(tokenizer, vocab_size).compile(constraint)
@@ -328,6 +346,9 @@ def run(args, out=None) -> int:
     out = sys.stdout if out is None else out
     lookup = lookup_settings(args)  # checked before the models load
     sampling_params(args, "google", 0)  # the flags' combinations too
+    if not args.input:
+        raise SpecDecError("the input is empty", field="input")
+    constraint = read_constraint(args)
     draft, target, tokenizer = load_pair(args.draft_model_name, args.target_model_name, device=args.device,
                                          dtype=args.dtype, device_map=args.device_map,
                                          trust_remote_code=args.trust_remote_code,
@@ -335,12 +356,10 @@ def run(args, out=None) -> int:
                                          weights=args.weights, quantize=args.quantize,
                                          draft_vocab_size=args.draft_vocab_size)
     decoder = SpeculativeDecoder(draft, target, tokenizer, lookup=lookup)
-    if not args.input:
-        raise SpecDecError("the input is empty", field="input")
     if args.chat and not getattr(tokenizer, "chat_template", None):
         raise SpecDecError("the target's tokenizer has no chat template; drop --chat", field="chat")
     prompt = encode_prompt(tokenizer, args.input, args.chat)
-    grammar = compile_constraint(args, tokenizer, decoder.vocab_size)
+    grammar = compile_constraint(constraint, tokenizer, decoder.vocab_size)
     decode = decoder_of(tokenizer)
     runs = decodings(args)
     seed = args.seed if args.seed is not None else random.randrange(2**31)  # one seed for all methods

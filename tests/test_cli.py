@@ -207,6 +207,33 @@ def test_bad_flags_exit_non_zero_with_one_message(pair_args, capsys, flags, frag
     assert captured.out == ""
 
 
+@pytest.mark.parametrize("flags, fragment", [
+    (["-s", "-1"], "--seed"),
+    (["-s", str(2**64)], "--seed"),
+    (["--input", ""], "the input is empty"),
+    (["--json-schema", "/no/such/schema.json"], "--json-schema: cannot read /no/such/schema.json"),
+    (["--json-schema", "/"], "--json-schema: cannot read /"),
+    (["--regex", "[0-9]{3}", "--min_tokens", "2"], "--min_tokens cannot be combined with --regex"),
+])
+def test_bad_flags_are_refused_before_the_models_load(pair_args, capsys, monkeypatch, flags, fragment):
+    """Found by an audit: an unreadable --json-schema (an OSError, exit 1, the flag unnamed), an empty --input and
+    --min_tokens beside a grammar were refused only after the models had loaded (6 s for the default pair)."""
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the models were loaded")
+
+    monkeypatch.setattr("specdec.models.pair.load_pair", no_loading)
+    assert main(pair_args + flags) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_largest_seed_benchmarks(pair_args, capsys):
+    """Found by an audit: --seed 2**64-1 was accepted and the benchmark's seed + 1 then refused, after the
+    completions were printed; the benchmark's seeds wrap around 2**64."""
+    assert main(pair_args + ["-s", str(2**64 - 1), "-b", "--repeats", "2", "--method", "google", "-M", "4"]) == 0
+    assert "== benchmark" in capsys.readouterr().out
+
+
 def test_unknown_model_path(pair_args, capsys, tmp_path):
     assert main(pair_args + ["--target_model_name", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err

@@ -6,11 +6,12 @@ it holds: token ids in, token ids with their provenance and stats out. Nothing h
 goes to the DEBUG log.
 """
 
+import dataclasses
 import logging
 import numbers
 import os
 import time
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -335,6 +336,18 @@ class Stream(Generator):
 FIRST_TOKEN_ALONE_FROM = 32
 
 
+def _lookup_settings(lookup) -> LookupSettings:
+    """LookupSettings, or a mapping of its fields made into one; anything else a SpecDecError naming `lookup`."""
+    if isinstance(lookup, LookupSettings):
+        return lookup
+    if isinstance(lookup, Mapping):
+        if unknown := sorted(set(lookup) - {field.name for field in dataclasses.fields(LookupSettings)}):
+            raise SpecDecError(f"lookup: unknown setting {unknown[0]!r}", field="lookup")
+        return LookupSettings(**lookup)
+    raise SpecDecError(f"lookup must be a LookupSettings (or a dict of its fields), got {type(lookup).__name__}",
+                       field="lookup")
+
+
 class SpeculativeDecoder:
     """Exact speculative decoding for a draft/target pair of Hugging Face causal LMs sharing a vocabulary."""
 
@@ -347,7 +360,7 @@ class SpeculativeDecoder:
         self.context_length = min(limits) if limits else None
         # measured forward costs of this pair on this machine, kept across requests for adaptive gamma
         self.cost_profile = CostProfile()
-        self.lookup = lookup  # prompt lookup's knobs, for the lookup and hybrid drafters
+        self.lookup = _lookup_settings(lookup)  # prompt lookup's knobs, for the lookup and hybrid drafters
         # both models' caches kept across requests (prompt_cache.py), within prompt_cache_bytes (0: off)
         self.prompt_cache = PromptCache(prompt_cache_bytes)
         # called as round_observer(draft_tokens, draft_probs, target_probs) with every block before it is

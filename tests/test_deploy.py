@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from specdec.models import cache
-from specdec.serve.config import CONFIG_ENV, ENV_PREFIX, Settings, load_settings
+from specdec.serve.config import CONFIG_ENV, ENV_PREFIX, ConfigError, Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -158,3 +158,28 @@ def test_kubernetes_follows_the_settings(monkeypatch):
     for each in containers(pod).values():
         assert {"name": cache, "mountPath": str(Path(env["SPECDEC_CACHE"]).parent)} in each["volumeMounts"]
     assert "specdec.default_pair prepare" in " ".join(containers(pod)["prepare-models"]["args"])
+
+
+def service_links(docs: list[dict]) -> dict[str, str]:
+    """The variables Kubernetes gives a pod for each Service of its namespace unless enableServiceLinks is false
+    (docker links' form: NAME_SERVICE_HOST, NAME_SERVICE_PORT, NAME_PORT=tcp://ip:port, NAME_PORT_<port>_TCP...)."""
+    env = {}
+    for service in (doc for doc in docs if doc["kind"] == "Service"):
+        name, port = service["metadata"]["name"].upper().replace("-", "_"), service["spec"]["ports"][0]["port"]
+        link = f"{name}_PORT_{port}_TCP"
+        env |= {f"{name}_SERVICE_HOST": "10.0.0.1", f"{name}_SERVICE_PORT": str(port),
+                f"{name}_PORT": f"tcp://10.0.0.1:{port}", link: f"tcp://10.0.0.1:{port}", f"{link}_PROTO": "tcp",
+                f"{link}_PORT": str(port), f"{link}_ADDR": "10.0.0.1"}
+    return env
+
+
+def test_kubernetes_gives_the_pod_no_service_links():
+    """The Service is named specdec, so its links would be SPECDEC_ variables, SPECDEC_PORT=tcp://10.0.0.1:80 among
+    them, which the service would read as its port and refuse to start with (found reviewing an audit of the
+    settings): the pod turns them off."""
+    pod = deployment()["spec"]["template"]["spec"]
+    links = service_links(kubernetes_docs(KUBERNETES))
+    assert links["SPECDEC_PORT"].startswith("tcp://")
+    with pytest.raises(ConfigError, match="SPECDEC_PORT"):
+        settings_of({**image_env(), **links, **container_env(containers(pod)["specdec"])})
+    assert pod["enableServiceLinks"] is False

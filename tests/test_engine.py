@@ -575,6 +575,17 @@ def test_a_sampling_keyword_beside_params_is_refused_not_ignored(decoder, keywor
                .token_ids) == 8  # the end tokens are not a sampling keyword
 
 
+def test_lookup_settings_may_be_a_dict_and_anything_else_is_refused(pair):
+    """Found by an audit: lookup={"max_ngram": 3} was taken, and the lookup drafter then failed on it."""
+    decoder = SpeculativeDecoder(*pair, lookup={"max_ngram": 3, "hybrid_min_match": 2})
+    assert decoder.lookup == LookupSettings(max_ngram=3, hybrid_min_match=2)
+    assert decoder.generate([1, 2, 1, 2, 1], max_new_tokens=4, drafter="lookup", seed=0).token_ids
+    for bad, words in [({"max_grams": 3}, "unknown setting 'max_grams'"), ([3], "got list")]:
+        with pytest.raises(SpecDecError, match=words) as error:
+            SpeculativeDecoder(*pair, lookup=bad)
+        assert error.value.field == "lookup"
+
+
 def test_prompt_that_fills_the_context_is_an_error():
     target = make_model("gpt2", context=16)
     decoder = SpeculativeDecoder(target, target)

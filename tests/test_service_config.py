@@ -120,6 +120,14 @@ def test_loader_may_be_an_import_path():
     ({"SPECDEC_HYBRID_EXTEND": "sometimes"}, {}, ["hybrid_extend", "SPECDEC_HYBRID_EXTEND"]),
     ({"SPECDEC_STREAM_INTERVAL": "-0.1"}, {}, ["stream_interval = '-0.1'", "SPECDEC_STREAM_INTERVAL"]),
     ({"SPECDEC_CONFIG": "/no/such/file.toml"}, {}, ["SPECDEC_CONFIG", "/no/such/file.toml", "does not exist"]),
+    # found by an audit: TOML booleans read as 0 and 1, fractions as integers, a device checked only when loading
+    ({}, {"queue_size": False}, ["queue_size = False", "must be a number, not false"]),
+    ({}, {"gamma": True}, ["gamma = True", "must be a number, not true"]),
+    ({}, {"port": 5000.0}, ["port = 5000.0", "must be an integer"]),
+    ({"SPECDEC_PORT": "5000.0"}, {}, ["port = '5000.0' (from SPECDEC_PORT)", "must be an integer"]),
+    ({"SPECDEC_MAX_NEW_TOKENS": "1e2"}, {}, ["max_new_tokens = '1e2'", "must be an integer"]),
+    ({"SPECDEC_DEVICE": "foo"}, {}, ["device = 'foo' (from SPECDEC_DEVICE)", "cuda:N"]),
+    ({"SPECDEC_GAMMA": "100"}, {}, ["gamma (100) exceeds max_gamma (16) (gamma from SPECDEC_GAMMA, max_gamma from "]),
 ])
 def test_invalid_configuration_is_one_clear_error(environ, overrides, words):
     with pytest.raises(ConfigError) as raised:
@@ -145,3 +153,21 @@ def test_unreadable_toml_is_one_clear_error(tmp_path):
     file.write_text("port = = 1\n")
     with pytest.raises(ConfigError, match="cannot read the file named by SPECDEC_CONFIG"):
         load_settings(environ={"SPECDEC_CONFIG": str(file)})
+
+
+def test_numbers_and_devices_that_are_fine_stay_fine():
+    settings = load_settings({"temperature": 1, "queue_timeout": 30}, environ={
+        "SPECDEC_PORT": "+5001", "SPECDEC_GAMMA": "adaptive", "SPECDEC_DRAFT_VOCAB_SIZE": "auto",
+        "SPECDEC_DEVICE": "cuda:1", "SPECDEC_STREAM_INTERVAL": "0.01", "SPECDEC_COMPILE": "TRUE"})
+    assert (settings.port, settings.gamma, settings.draft_vocab_size, settings.device) == (5001, None, None, "cuda:1")
+    assert settings.temperature == 1.0 and settings.stream_interval == 0.01 and settings.compile == "true"
+
+
+def test_a_misspelled_variable_is_named_and_others_left_alone(caplog):
+    """SPECDEC_GAMA was ignored without a word (found by an audit); it is still ignored (a platform may set SPECDEC_
+    variables of its own), with a warning naming the setting it nearly is."""
+    with caplog.at_level("WARNING", logger="specdec.serve.config"):
+        settings = load_settings(environ={"SPECDEC_GAMA": "2", "SPECDEC_CACHE": "/c", "SPECDEC_SERVICE_HOST": "10.0.0.1"})
+    assert settings.gamma == 4
+    assert [record.getMessage() for record in caplog.records] == [
+        "SPECDEC_GAMA is not a setting and is ignored: did you mean SPECDEC_GAMMA?"]

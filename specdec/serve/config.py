@@ -5,13 +5,18 @@ key and where its value came from. Decoding defaults here are what a request get
 limits are never overridden by a request.
 """
 
+import difflib
 import importlib
+import logging
 import os
+import re
 import tomllib
+import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import SpecDecError
@@ -20,7 +25,9 @@ from ..params import DRAFTERS, LOOKUP_KEYS, MAX_GAMMA, SERVED_METHODS, VERIFICAT
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "config" / "default.toml"
 ENV_PREFIX = "SPECDEC_"
 CONFIG_ENV = "SPECDEC_CONFIG"
+logger = logging.getLogger(__name__)
 ADAPTIVE = "adaptive"
+INTEGER = re.compile(r"[+-]?\d+")
 # draft_confidence_threshold "auto" for the default pair (measured, bench/README.md "Draft-confidence stop"); other
 # pairs, and pairs a custom loader gives, keep 0 (the draft always drafts gamma tokens)
 DEFAULT_PAIR_CONFIDENCE_THRESHOLD = 0.6
@@ -83,6 +90,32 @@ class Settings(BaseModel):
     # loader(settings) -> (draft, target, tokenizer); None: specdec.load_pair with the model settings.
     # A "package.module:function" string is imported here, so a bad path fails at start-up.
     loader: Callable | None = None
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _exact_number(cls, value, info):
+        """A number setting takes a number: not a TOML boolean (pydantic's lax mode reads `true` as 1), and an
+        integer setting no fraction (`5000.0`, "5000.0")."""
+        kinds = set(typing.get_args(cls.model_fields[info.field_name].annotation)) or {
+            cls.model_fields[info.field_name].annotation}
+        if not kinds & {int, float}:
+            return value
+        if isinstance(value, bool):
+            raise ValueError(f"must be a number, not {str(value).lower()}")
+        if float not in kinds and (isinstance(value, float) or isinstance(value, str) and INTEGER.fullmatch(
+                value.strip()) is None and value.strip().lower() not in ("auto", ADAPTIVE, "none", "null")):
+            raise ValueError(f"must be an integer, got {value!r}")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value.strip().lower() != "auto":
+            try:
+                torch.device(value.strip())
+            except (RuntimeError, TypeError):
+                raise ValueError("must be auto, cpu, cuda, cuda:N or another device torch names") from None
+        return value
 
     @field_validator("gamma", mode="before")
     @classmethod
@@ -199,7 +232,13 @@ def _read_toml(path: Path, what: str) -> dict:
 
 
 def _from_env(environ: Mapping[str, str]) -> dict:
-    """SPECDEC_<KEY> for every setting; an empty variable counts as unset."""
+    """SPECDEC_<KEY> for every setting; an empty variable counts as unset. A SPECDEC_ variable that is no setting
+    but nearly one's name (SPECDEC_GAMA) is logged as a likely misspelling; other SPECDEC_ variables (the cache's,
+    a platform's) are left alone."""
+    names = [ENV_PREFIX + name.upper() for name in Settings.model_fields]
+    for variable in sorted(set(environ) - set(names) - {CONFIG_ENV, "SPECDEC_CACHE"}):
+        if variable.startswith(ENV_PREFIX) and (near := difflib.get_close_matches(variable, names, n=1, cutoff=0.85)):
+            logger.warning("%s is not a setting and is ignored: did you mean %s?", variable, near[0])
     return {name: environ[ENV_PREFIX + name.upper()] for name in Settings.model_fields
             if environ.get(ENV_PREFIX + name.upper(), "").strip()}
 
@@ -234,8 +273,10 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
                 problems.append(f"unknown setting {key!r} (from {origin[key]})")
             elif item["type"] == "missing":
                 problems.append(f"{key} is not set (add it to {defaults})")
-            elif key is None:
-                problems.append(message)
+            elif key is None:  # a check of several keys: where each it names came from
+                named = [name for name in values if re.search(rf"\b{name}\b", message)]
+                problems.append(message + (" (" + ", ".join(f"{name} from {origin[name]}" for name in named) + ")"
+                                           if named else ""))
             else:
                 problems.append(f"{key} = {values[key]!r} (from {origin[key]}): {message}")
         raise ConfigError("invalid configuration: " + "; ".join(problems)) from None

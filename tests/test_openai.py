@@ -553,8 +553,13 @@ REFUSED = [  # (route, field values, param, code)
     ("completions", {"n": True}, "n", "invalid_value"),
     ("chat", {"modalities": ["audio"]}, "modalities", "unknown_parameter"),
     ("completions", {"max_new_tokens": 5}, "max_new_tokens", "unknown_parameter"),
-    ("chat", {"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name",
+    ("chat", {"messages": [{"role": "user", "content": "hi", "nickname": "bob"}]}, "messages[0].nickname",
      "unknown_parameter"),
+    ("chat", {"messages": [{"role": "user", "content": "hi", "name": 7}]}, "messages[0].name", "invalid_value"),
+    ("chat", {"messages": [{"role": "assistant", "content": "hi", "audio": {"id": "a"}}]}, "messages[0].audio",
+     "invalid_value"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),  # no stream
+    ("chat", {"stream": False, "stream_options": {"include_usage": False}}, "stream_options", "invalid_value"),
     ("completions", {"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage",
      "invalid_value"),
     ("chat", {"max_tokens": 5, "max_completion_tokens": 5}, "max_tokens", "invalid_value"),
@@ -703,6 +708,24 @@ def test_unknown_route_or_method_under_v1(client, method, path, status, code):
     assert_openai_error(response, status, code)
     if status == 405:
         assert "Allow" in response.headers
+
+
+def test_an_answers_message_sent_back_as_the_sdk_dumps_it_is_taken(client):
+    """`resp.choices[0].message.model_dump()` sent back (refusal, annotations, audio and function_call null) and a
+    user's `name` (OpenAI's message schema; refused before, found by an audit) make the same prompt as the message
+    without them; a refusal's text stands for null content."""
+    def prompt_tokens(messages):
+        response = chat(client, messages=messages, max_tokens=1, temperature=0)
+        assert response.status_code == 200, response.get_json()
+        return response.get_json()["usage"]["prompt_tokens"]
+
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "more"}]
+    dumped = [{**plain[0], "name": "bob"}, {**plain[1], "refusal": None, "annotations": None, "audio": None,
+                                            "function_call": None, "tool_calls": None}, plain[2]]
+    assert prompt_tokens(dumped) == prompt_tokens(plain)
+    refused = [plain[0], {"role": "assistant", "content": None, "refusal": "hello"}, plain[2]]
+    assert prompt_tokens(refused) == prompt_tokens(plain)
 
 
 def test_body_errors_under_v1(client):

@@ -200,14 +200,25 @@ class ChatMessage(BaseModel):
         None, description="a string, or text parts (joined with newlines); null for an assistant's tool calls")
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls")
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
+    name: Text | None = Field(None, description="the participant's name; given to the chat template with the "
+                                                "message (a template that has no use for it, as Qwen2.5's, leaves it)")
+    # what an answer's message holds beside content and tool_calls (the SDK's `message.model_dump()` sends them
+    # back): a refusal's text stands for the content where there is none; the others must be null
+    refusal: Text | None = Field(None, description="an assistant's refusal, as answers carry it: its text where "
+                                                   "content is null")
+    annotations: None = Field(None, description="accepted as null (an answer's message holds it)")
+    audio: None = Field(None, description="accepted as null (an answer's message holds it)")
+    function_call: None = Field(None, description="accepted as null (the deprecated form of tool_calls)")
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
 
     def for_template(self) -> dict:
         message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
         if self.tool_calls:
             message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
@@ -271,6 +282,9 @@ class _Request(BaseModel):
                                       {"param": "structured_outputs"})
         if self.ignore_eos and (self.structured_outputs is not None or self.formats_answer):
             raise PydanticCustomError("invalid_value", IGNORE_EOS_CONSTRAINED, {"param": "ignore_eos"})
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:  # as vLLM
+            raise PydanticCustomError("invalid_value", "stream_options is only allowed with stream: true",
+                                      {"param": "stream_options"})
         return self
 
     @property

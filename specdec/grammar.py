@@ -14,6 +14,7 @@ import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 import llguidance
 import llguidance.hf
@@ -42,11 +43,13 @@ class Constraint:
     """What the generated text must match. `kind`: json_schema (`source` a JSON schema, as JSON text),
     json_object (any JSON object; no source), regex, choice (`source` a JSON list of strings: exactly one of
     them), grammar (a Lark grammar, as llguidance reads it). `field` names the request field it came from, for
-    errors."""
+    errors. `parts`: constraints embedded in this one, each with its own field (a tool's parameters in the tools'
+    grammar): where this one does not compile, the first part that does not compile alone is named instead."""
 
     kind: str
     source: str = ""
     field: str = "response_format"
+    parts: tuple["Constraint", ...] = dataclass_field(default=(), compare=False, repr=False)
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -62,7 +65,12 @@ class Constraint:
             raise SpecDecError("the JSON schema must be an object", field=field)
         # the keys in the client's order: an object's properties are written in the order its schema lists them
         # (as OpenAI's structured outputs write them), so the schema is not canonicalized by sorting
-        return cls("json_schema", json.dumps(schema), field)
+        try:
+            source = json.dumps(schema, allow_nan=False)
+        except ValueError:  # Python's JSON reads 1e400 as infinity, which JSON cannot write back
+            raise SpecDecError("the JSON schema holds a number out of range (NaN, or an infinity such as 1e400)",
+                               field=field) from None
+        return cls("json_schema", source, field)
 
     @classmethod
     def choice(cls, choices: list[str], field: str = "structured_outputs.choice") -> "Constraint":
@@ -166,10 +174,12 @@ class GrammarCompiler:
         try:
             grammar = constraint.grammar()
         except (ValueError, TypeError) as error:
+            self._blame_a_part(constraint)
             raise SpecDecError(f"invalid {constraint.kind}: {error}", field=constraint.field) from None
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0,
                                        limits=llguidance.LLParserLimits(**LIMITS))
         if matcher.is_error():
+            self._blame_a_part(constraint)
             raise SpecDecError(f"invalid or unsupported {constraint.kind}: {_first_lines(matcher.get_error())}",
                                field=constraint.field)
         compiled = CompiledGrammar(constraint, matcher, self.vocab_size, self.tokenizer.vocab_size,
@@ -179,6 +189,12 @@ class GrammarCompiler:
             self._cache.popitem(last=False)
         logger.debug("compiled a %s grammar in %.4fs", constraint.kind, compiled.compile_seconds)
         return compiled
+
+
+    def _blame_a_part(self, constraint: Constraint) -> None:
+        """The first of the constraint's parts that does not compile alone: its error, naming its field."""
+        for part in constraint.parts:
+            self.compile(part)
 
 
 def _first_lines(message: str, lines: int = 6) -> str:

@@ -180,8 +180,13 @@ def test_prompt_over_the_context_is_context_length_exceeded(client):
     error = assert_openai_error(complete(client, prompt="a" * 250, max_tokens=10), 400, "context_length_exceeded",
                                 "prompt")
     assert "256" in error["message"] and "max_tokens" in error["message"]
-    assert_openai_error(chat(client, messages=[{"role": "user", "content": "a" * 260}]), 400,
-                        "context_length_exceeded", "messages")
+    error = assert_openai_error(chat(client, messages=[{"role": "user", "content": "a" * 260}]), 400,
+                                "context_length_exceeded", "messages")
+    # max_tokens left out: the prompt alone is at fault (the message named a default the client never sent)
+    assert "max_tokens" not in error["message"]
+    error = assert_openai_error(complete(client, prompt="a" * 256), 400, "context_length_exceeded", "prompt")
+    assert "the prompt has 256" in error["message"] and "no room is left" in error["message"]
+    assert "max_tokens" not in error["message"]
 
 
 # --- streaming -------------------------------------------------------------------------------------------------
@@ -541,6 +546,19 @@ REFUSED = [  # (route, field values, param, code)
               "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice.function.name",
      "invalid_value"),
     ("chat", {"response_format": {"type": "xml"}}, "response_format.type", "invalid_value"),
+    # found by an audit: a bad tool schema was named `tools`, its message the whole tools grammar; a function-form
+    # tool_choice without its name was told the modes it is not
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}, {"type": "function", "function": {
+        "name": "g", "parameters": {"type": "nonsense"}}}]}, "tools[1].function.parameters", "invalid_value"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+              "tool_choice": "required"}, "tools[0].function.parameters", "invalid_value"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer", "maximum": float("inf")}}}}}]}, "tools[0].function.parameters", "invalid_value"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function"}},
+     "tool_choice.function", "missing_required_parameter"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": {"type": "function", "function": {"name": None}}}, "tool_choice.function.name",
+     "invalid_value"),
     ("chat", {"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0].function.name",
      "missing_required_parameter"),
     ("chat", {"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name", "invalid_value"),

@@ -177,6 +177,10 @@ def room(svc, prompt_ids: list[int], max_tokens: int, requested: bool, max_field
     left = context - len(prompt_ids)
     if not requested and left >= 1:
         return left
+    if not requested:  # the prompt alone fills the context: nothing the client set is at fault but the prompt
+        raise ApiError(400, "prompt_too_long", f"this model's maximum context length is {context} tokens, and the "
+                                               f"{prompt_field} has {len(prompt_ids)}: no room is left for the "
+                                               "completion", prompt_field)
     raise ApiError(400, "prompt_too_long", f"this model's maximum context length is {context} tokens, but "
                                            f"{len(prompt_ids) + max_tokens} were requested ({len(prompt_ids)} in the "
                                            f"{prompt_field}, {max_tokens} for the completion, {max_field})",

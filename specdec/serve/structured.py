@@ -13,7 +13,7 @@ import re
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from pydantic_core import PydanticCustomError
 
 from ..grammar import JSON_OPTIONS, MAX_CHOICES, Constraint
@@ -135,7 +135,11 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+# an object is read as a named choice, anything else as a mode: a bad object's error names its own field
+# (tool_choice.function.name), not the modes it is not (capitalized tags stay out of an error's param)
+ToolChoice = Annotated[Annotated[Literal["none", "auto", "required"], Tag("Mode")]
+                       | Annotated[NamedToolChoice, Tag("Named")],
+                       Discriminator(lambda value: "Named" if isinstance(value, dict) else "Mode")]
 
 
 class FunctionCall(BaseModel):
@@ -178,13 +182,14 @@ def tool_constraint(tools: list[Tool], tool_choice, parallel: bool, special: boo
     (Qwen2.5's), matched as such."""
     if tool_choice == "none" or not tools:
         return None
+    indexed = list(enumerate(tools))  # each with its index in the request, for errors
     if isinstance(tool_choice, NamedToolChoice):
-        tools = [tool for tool in tools if tool.function.name == tool_choice.function.name]
+        indexed = [(i, tool) for i, tool in indexed if tool.function.name == tool_choice.function.name]
         parallel = False
     begin, end = (CALL_BEGIN, CALL_END) if special else (json.dumps(CALL_BEGIN), json.dumps(CALL_END))
     lines = ["%llguidance {}"]
     bodies = []
-    for i, tool in enumerate(tools):
+    for i, (_, tool) in enumerate(indexed):
         head = json.dumps('{"name"' + JSON_OPTIONS["key_separator"] + json.dumps(tool.function.name)
                           + JSON_OPTIONS["item_separator"] + '"arguments"' + JSON_OPTIONS["key_separator"])
         lines.append(f"fn_{i}: {head} %json {json.dumps(_call_schema(tool.function))} \"}}\"")
@@ -201,7 +206,9 @@ def tool_constraint(tools: list[Tool], tool_choice, parallel: bool, special: boo
     else:
         lines.append(f"call: {begin} \"\\n\" ({body}) \"\\n\" {end}")
         lines.insert(1, "start: call (\"\\n\" call)*" if parallel else "start: call")
-    return Constraint("grammar", "\n".join(lines), field="tools")
+    parameters = tuple(Constraint.json_schema(_call_schema(tool.function), field=f"tools[{i}].function.parameters")
+                       for i, tool in indexed)  # named instead of the whole grammar where one does not compile
+    return Constraint("grammar", "\n".join(lines), field="tools", parts=parameters)
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:

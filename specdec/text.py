@@ -338,12 +338,17 @@ class Completion:
 
     def take_tokens(self) -> range:
         """The tokens whose text `take` has now sent in full (at the end, every token the answer shows): each
-        goes out once, with the text it belongs to."""
+        goes out once, with the text it belongs to. A token with no text of its own (a special token, or the
+        first bytes of a character another token completes) goes with the text after it, as `answered` counts
+        it: where a stop string cuts right after it, it is not reported at all."""
         if self.stopped or self.finished:
             end = self.answered()
         else:
-            end = self._tokens_sent
-            while end < len(self.tokens) and self.offsets[end] + len(self.tokens[end]["text"]) <= self._sent:
+            end, sent = self._tokens_sent, self._sent
+            while end < len(self.tokens):
+                offset, length = self.offsets[end], len(self.tokens[end]["text"])
+                if offset + length > sent or not length and offset >= sent:
+                    break
                 end += 1
         taken = range(self._tokens_sent, max(end, self._tokens_sent))
         self._tokens_sent = taken.stop

@@ -363,6 +363,28 @@ def test_greedy_logprobs_are_target_only_decodings(client):
             assert mine == pytest.approx(theirs, abs=1e-5)
 
 
+@pytest.mark.parametrize("prompt, shown_as", [("<bos>hello", "<bos>hello"), ("hi<eos>there", "hi<eos>there")])
+def test_an_echoed_prompt_holding_a_special_tokens_text_has_offsets_into_it(client, prompt, shown_as):
+    """Found by an audit: the prompt's offsets skipped special tokens' text (`<bos>hello` gave 0, 0, 1, ...) while
+    the echoed text holds it as sent; each offset is now where its token's text starts in the echoed prompt."""
+    for stream in (False, True):
+        response = complete(client, prompt=prompt, echo=True, logprobs=0, max_tokens=2, temperature=0, stream=stream)
+        if stream:
+            events = [event["choices"][0] for event in chunks(response)]
+            text = "".join(event["text"] for event in events)
+            offsets = [o for event in events for o in (event["logprobs"] or {}).get("text_offset", [])]
+            tokens = [t for event in events for t in (event["logprobs"] or {}).get("tokens", [])]
+        else:
+            choice = response.get_json()["choices"][0]
+            text, offsets, tokens = choice["text"], choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
+        assert text.startswith(shown_as)
+        assert offsets == sorted(offsets) and len(offsets) == len(tokens)
+        starts = [text.index(token, offset) == offset for token, offset in zip(tokens, offsets)
+                  if token and offset < len(shown_as)]
+        assert all(starts), (tokens, offsets)
+        assert offsets[-2:] == [len(shown_as), len(shown_as) + len(tokens[-2])], (tokens, offsets)
+
+
 def test_streamed_logprobs_go_with_their_text(client):
     plain = complete(client, seed=8, max_tokens=40, logprobs=1, echo=True).get_json()["choices"][0]
     events = chunks(complete(client, seed=8, max_tokens=40, logprobs=1, echo=True, stream=True))

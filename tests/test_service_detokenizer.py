@@ -281,6 +281,48 @@ def test_each_token_is_taken_once_with_the_text_it_belongs_to(text, stop, chunk)
     assert [completion.logprobs[j] for j in sent_tokens] == [f"lp{j}" for j in sent_tokens]
 
 
+def stream_and_whole(completion_of, ids: list[int], chunk: int = 1) -> tuple[list[tuple[str, list[int]]], list[int]]:
+    """(each chunk's text and the tokens taken with it, streamed; the tokens the same answer shows whole)."""
+    streamed, whole = completion_of(), completion_of()
+    chunks = []
+    for i in range(0, len(ids), chunk):
+        streamed.feed(ids[i:i + chunk], ["draft"] * len(ids[i:i + chunk]))
+        chunks.append((streamed.take(), list(streamed.take_tokens())))
+        if streamed.stopped:
+            break
+    streamed.finish()
+    chunks.append((streamed.take(), list(streamed.take_tokens())))
+    whole.feed(ids, ["draft"] * len(ids))
+    whole.finish()
+    return chunks, list(range(whole.answered()))
+
+
+@pytest.mark.parametrize("stop", [["#"], []])
+def test_a_token_without_text_goes_out_with_the_text_after_it(stop):
+    """Found by an audit: special tokens (no text of their own) just before a stop string were streamed with their
+    logprobs and not reported whole; a token without text now waits for the text after it, and where a stop string
+    cuts right after it, it is not reported at all, as `answered` counts it."""
+    tokenizer = make_tokenizer()
+    specials = tokenizer.convert_tokens_to_ids(["<unk>", "<bos>"])
+    ids = tokenizer.encode("z?") + specials + tokenizer.encode("#x") + specials
+    chunks, whole = stream_and_whole(lambda: Completion(decoder_of(tokenizer), [], stop), ids)
+    assert [token for _, taken in chunks for token in taken] == whole
+    assert whole == ([0, 1] if stop else list(range(len(ids))))
+    # the specials before "#" went out with it (no stop string), not in a chunk of their own
+    assert all(text or not taken for text, taken in chunks[:-1])
+
+
+@pytest.mark.parametrize("stop", [["é"], ["!"], []])
+def test_a_characters_first_bytes_go_out_with_the_character(byte_tokenizer, stop):
+    """The first byte of "é" has no text of its own (byte-level BPE): it goes out with the byte that completes the
+    character, never in a chunk without text, and a stop string cutting at "é" reports neither byte."""
+    ids = byte_tokenizer.encode("aé!é")
+    chunks, whole = stream_and_whole(lambda: Completion(decoder_of(byte_tokenizer), [], stop), ids)
+    assert [token for _, taken in chunks for token in taken] == whole
+    assert all(text or not taken for text, taken in chunks)
+    assert whole == {"é": [0], "!": [0, 1, 2], "": list(range(6))}["".join(stop)]
+
+
 def test_token_bytes_of_a_byte_level_token_are_its_own(byte_tokenizer):
     ids = byte_tokenizer.encode("é!")
     assert [token_bytes(byte_tokenizer, i) for i in ids] == [b"\xc3", b"\xa9", b"!"]

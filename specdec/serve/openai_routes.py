@@ -289,6 +289,9 @@ class Reply:
             return []
         entries, offset = [], 0
         pieces = token_pieces(choices.svc.decode, generation.prompt_ids)
+        if "".join(pieces) != choices.echo(index):  # a prompt sent as text that holds a special token's text
+            shown = token_pieces(choices.svc.detokenize, generation.prompt_ids)  # such tokens as written
+            pieces = shown if "".join(shown) == choices.echo(index) else pieces
         for token, figures, piece in zip(generation.prompt_ids, generation.prompt_logprobs, pieces):
             entries.append((token, figures, offset))
             offset += len(piece)

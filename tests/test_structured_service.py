@@ -213,6 +213,39 @@ def test_a_named_function_is_called_once_required_tools_as_often_as_the_model_li
     assert eos in allowed and (len(allowed) > 1) == more
 
 
+def accepts(service_tokenizer, constraint, text: str, ending: bool = True) -> bool:
+    """Whether the constraint's grammar takes `text` token by token (and then, with `ending`, may end)."""
+    eos = service_tokenizer.convert_tokens_to_ids("<eos>")
+    state = GrammarCompiler(service_tokenizer, len(service_tokenizer)).compile(constraint).start({eos})
+    for token in service_tokenizer.encode(text, add_special_tokens=False):
+        if not state.allows(token):
+            return False
+        state.advance(token)
+    return not ending or state.allows(eos)
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_under_auto_every_call_is_constrained_and_text_after_the_last_holds_none(service_tokenizer, parallel):
+    """Found by an audit: under tool_choice auto the text after a call was free, so a second `<tool_call>` with
+    arguments against the schema, or of no tool, parsed as a call (and parallel_tool_calls false let it in). Text
+    outside the calls may not hold a call's opening tag now: each `<tool_call>` starts a constrained call."""
+    tools = [Tool(type="function", function={"name": "f", "parameters": {
+        "type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"],
+        "additionalProperties": False}})]
+    grammar = tool_constraint(tools, "auto", parallel=parallel, special=False)
+    call = '<tool_call>\n{"name": "f", "arguments": {"on": true}}\n</tool_call>'
+    assert accepts(service_tokenizer, grammar, "Sure. " + call + " Done.")
+    assert accepts(service_tokenizer, grammar, "No call.")
+    assert accepts(service_tokenizer, grammar, call + "\n" + call) == parallel
+    for bad in ['<tool_call>\n{"name": "f", "arguments": {"on": "yes"}}\n</tool_call>',
+                '<tool_call>\n{"name": "rm_rf", "arguments": {}}\n</tool_call>']:
+        assert not accepts(service_tokenizer, grammar, call + " then " + bad, ending=False)
+        assert not accepts(service_tokenizer, grammar, "text " + bad, ending=False)
+    # arguments in response_format's JSON: no whitespace but the separators (found by the same audit)
+    assert not accepts(service_tokenizer, grammar, '<tool_call>\n{"name": "f", "arguments": { "on":true}',
+                       ending=False)
+
+
 @pytest.fixture
 def service_tokenizer(app):
     return app.extensions["specdec"].tokenizer

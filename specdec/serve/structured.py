@@ -19,6 +19,9 @@ from pydantic_core import PydanticCustomError
 from ..grammar import JSON_OPTIONS, MAX_CHOICES, Constraint
 
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
+# a tool's parameters embedded in the tools' grammar: JSON written as response_format's is (grammar.JSON_OPTIONS),
+# llguidance's per-schema options
+COMPACT = {"x-guidance": JSON_OPTIONS}
 CALL = re.compile(re.escape(CALL_BEGIN) + r"\s*(\{.*?\})\s*" + re.escape(CALL_END), re.DOTALL)
 # a call's beginning, up to where its arguments start: its name is then known
 CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -192,7 +195,7 @@ def tool_constraint(tools: list[Tool], tool_choice, parallel: bool, special: boo
     for i, (_, tool) in enumerate(indexed):
         head = json.dumps('{"name"' + JSON_OPTIONS["key_separator"] + json.dumps(tool.function.name)
                           + JSON_OPTIONS["item_separator"] + '"arguments"' + JSON_OPTIONS["key_separator"])
-        lines.append(f"fn_{i}: {head} %json {json.dumps(_call_schema(tool.function))} \"}}\"")
+        lines.append(f"fn_{i}: {head} %json {json.dumps(_call_schema(tool.function) | COMPACT)} \"}}\"")
         bodies.append(f"fn_{i}")
     body = " | ".join(bodies)
     if tool_choice == "auto":
@@ -201,7 +204,7 @@ def tool_constraint(tools: list[Tool], tool_choice, parallel: bool, special: boo
         else:  # a lazy lexeme: text up to the first <tool_call>
             lines.append(f"call_trig[lazy]: TEXT {begin}")
             lines.append(f"call: call_trig \"\\n\" ({body}) \"\\n\" {end}")
-        lines.append("TEXT: /(.|\\n)*/")
+        lines.append(f"TEXT: /(.|\\n)*/ & ~/(.|\\n)*{re.escape(CALL_BEGIN)}(.|\\n)*/")  # a call's opening tag starts a call
         lines.insert(1, "start: (call)* TEXT" if parallel else "start: call? TEXT")
     else:
         lines.append(f"call: {begin} \"\\n\" ({body}) \"\\n\" {end}")

@@ -238,8 +238,11 @@ class GrammarState:
             llguidance.torch.fill_next_token_bitmask(self.matcher, self._bits)
             self._check()
             bits = ((self._bits[0].unsqueeze(-1) >> self._shifts) & 1).flatten()[: self.vocab_size].bool()
+            offered = bool(bits.any())
             self._refuse_specials(bits)
             can_end = self.matcher.is_accepting() or self.matcher.is_stopped()
+            if offered and not can_end and not bool(bits.any()):
+                self._dead_end()
             if self.eos:
                 bits[self.eos] = can_end
             if not bool(bits.any()):  # complete: nothing is possible but to end
@@ -276,14 +279,23 @@ class GrammarState:
 
     def _check(self) -> None:
         """Raise if the matcher has failed: the request's constraint went beyond the grammar engine's limits."""
-        if not self.matcher.is_error():
-            return
+        if self.matcher.is_error():
+            self._fail(f"is beyond the grammar engine's limits after {len(self.tokens)} tokens "
+                       f"({_first_lines(self.matcher.get_error(), 1)}); simplify it (smaller repetition counts, "
+                       f"fewer alternatives)")
+
+    def _dead_end(self) -> None:
+        """Raise where the grammar goes on only through text no token of the vocabulary writes (a character
+        outside a character-level vocabulary without byte tokens): ending there would answer "stop" with text
+        that does not match (found by an audit)."""
+        self._fail(f"cannot be completed with this model's tokens after {len(self.tokens)} tokens: it goes on only "
+                   f"through text that no token writes (a character outside the vocabulary)")
+
+    def _fail(self, problem: str) -> None:
         if self._on_error is not None:
             self._on_error()
         kind, field = (self.constraint.kind, self.constraint.field) if self.constraint else ("grammar", None)
-        reason = _first_lines(self.matcher.get_error(), 1)
-        raise SpecDecError(f"the {kind} is beyond the grammar engine's limits after {len(self.tokens)} tokens "
-                           f"({reason}); simplify it (smaller repetition counts, fewer alternatives)", field=field)
+        raise SpecDecError(f"the {kind} {problem}", field=field)
 
     def allows(self, token: int) -> bool:
         return bool(self.allowed()[token])

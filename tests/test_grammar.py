@@ -135,19 +135,21 @@ def test_adaptive_greedy_and_sampled_outputs_follow_the_schema(tiny):
 
 
 @pytest.mark.parametrize("method", ["target", "google"])
-def test_a_grammar_the_tokenizer_cannot_write_ends_the_generation(tiny, method):
+def test_a_grammar_the_tokenizer_cannot_write_takes_the_way_it_can(tiny, method):
     """The character tokenizer has no token for 'é' and no byte tokens: llguidance's mask then offers the
     unknown-token, which its matcher refuses to consume (the 400 'the grammar cannot take token 0' that
-    schemathesis found). The state clears it: the generation writes what it can, then ends."""
+    schemathesis found). The state clears it: where another way is open, the generation takes it; where none is,
+    it fails (`test_a_grammar_no_token_can_go_on_with_fails_naming_its_field`; it once ended there, "stop" with
+    text that does not match)."""
     decoder, tokenizer, compiler = tiny
-    state = compiler.compile(Constraint.choice(["é!"])).start({tokenizer.eos_token_id})
-    assert state.allowed().nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+    state = compiler.compile(Constraint.choice(["é!", "ab"])).start({tokenizer.eos_token_id})
+    assert state.allowed().nonzero().flatten().tolist() == tokenizer.convert_tokens_to_ids(["a"])
     prompt = tokenizer.encode("pick:", add_special_tokens=False)
     for seed in range(3):
         params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=seed, method=method)
         result = decoder.generate(prompt, params=params, grammar=compiler.compile(Constraint.choice(["ab", "é"])))
         assert tokenizer.unk_token_id not in result.token_ids
-        assert tokenizer.decode(result.token_ids, skip_special_tokens=True) in ("", "ab")
+        assert tokenizer.decode(result.token_ids, skip_special_tokens=True) == "ab"
 
 
 @pytest.mark.parametrize("method", ["target", "google"])
@@ -166,6 +168,23 @@ def test_a_grammar_beyond_the_limits_while_decoding_fails_naming_its_field(tiny,
                              grammar=compiler.compile(constraint))
         assert error.value.field == "structured_outputs.regex"
     assert compiler.compile(Constraint("regex", "a{3}")).start(set()).allowed().sum() == 1  # the others are fine
+
+
+@pytest.mark.parametrize("method", ["target", "google"])
+@pytest.mark.parametrize("constraint, made", [(Constraint("regex", "ab\tc", field="structured_outputs.regex"), 2),
+                                              (Constraint.choice(["tab\there"]), 3), (Constraint.choice(["é"]), 0)])
+def test_a_grammar_no_token_can_go_on_with_fails_naming_its_field(tiny, method, constraint, made):
+    """Found by an audit: where the grammar goes on only through a character the character-level vocabulary has
+    no token for (a tab, "é"), the mask held only the unknown-token, which the matcher refuses, and the answer
+    ended there as if the grammar were complete: "stop" with "ab" for the regex `ab\tc`. It fails now, naming the
+    constraint's field, after the tokens that could be made."""
+    decoder, tokenizer, compiler = tiny
+    prompt = tokenizer.encode("pick:", add_special_tokens=False)
+    with pytest.raises(SpecDecError, match=f"cannot be completed with this model's tokens after {made} tokens") \
+            as error:
+        decoder.generate(prompt, params=SamplingParams(max_new_tokens=10, temperature=0, method=method),
+                         grammar=compiler.compile(constraint))
+    assert error.value.field == constraint.field
 
 
 def test_regex_and_choice_constraints(tiny):

@@ -60,6 +60,7 @@ def test_predict_takes_response_format_and_structured_outputs(client):
     ({"structured_outputs": {"choice": ["a", "b"]}, "ignore_eos": True}, "ignore_eos"),
     ({"structured_outputs": {"regex": "a{999999}"}}, "structured_outputs.regex"),  # fails at its first token
     ({"structured_outputs": {"regex": "a{999999}"}}, "structured_outputs.regex"),  # and again, not "stop"
+    ({"structured_outputs": {"regex": "ab\tc"}}, "structured_outputs.regex"),  # no token writes a tab: not "stop"
 ])
 def test_predict_refuses_bad_constraints_naming_the_field(client, extra, field):
     response = client.post("/predict", json={"prompt": "Who is", **extra})
@@ -146,9 +147,10 @@ def test_a_streamed_tool_call_sends_its_arguments_as_they_are_decoded(client):
     """The required tool's call streamed by OpenAI's chunks: the id and name once, then the arguments in several
     pieces, which join to the arguments of the same request answered whole."""
     tool = {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "required": ["a", "b"], "additionalProperties": False,
+        "type": "object", "required": ["a", "b", "why"], "additionalProperties": False,
         "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
-                       "b": {"type": "integer", "minimum": 0, "maximum": 999}}}}}
+                       "b": {"type": "integer", "minimum": 0, "maximum": 999},
+                       "why": {"type": "string", "minLength": 8, "maxLength": 16}}}}}
     body = {"model": "target", "messages": [{"role": "user", "content": "add"}], "tools": [tool], "seed": 3,
             "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 120}
     whole = client.post("/v1/chat/completions", json=body).get_json()["choices"][0]
@@ -163,7 +165,7 @@ def test_a_streamed_tool_call_sends_its_arguments_as_they_are_decoded(client):
     pieces = [d["function"]["arguments"] for d in deltas if not d.get("id")]
     assert len(pieces) > 1
     assert "".join(pieces) == whole["message"]["tool_calls"][0]["function"]["arguments"]
-    assert set(json.loads("".join(pieces))) == {"a", "b"}
+    assert set(json.loads("".join(pieces))) == {"a", "b", "why"}
 
 
 def test_a_tool_call_cut_by_max_tokens_streams_as_it_answers_whole(client):

@@ -249,6 +249,10 @@ def test_openapi_describes_every_route_with_the_server_limits(pair):
     assert {"proposed_by_drafter", "accepted_by_drafter", "round_share_by_drafter"} <= set(stats)
     documented = {int(status) for status in document["paths"]["/predict"]["post"]["responses"]}
     assert {bad.status for bad in CORPUS if bad.path == "/predict" and bad.method == "POST"} <= documented
+    # every field /readyz gives is described (prompt_cache_bytes was not; found by an audit)
+    app.extensions["specdec"].wait_until_loaded(60)
+    ready = document["components"]["schemas"]["Ready"]
+    assert set(app.test_client().get("/readyz").get_json()) <= set(ready["properties"])
 
 
 # --- security defaults -----------------------------------------------------------------------------------------

@@ -99,6 +99,8 @@ SCHEMAS = {
                                   "properties": {"draft": {"type": "string"}, "target": {"type": "string"}}},
                        "device": {"type": "string"}, "dtype": {"type": "string"},
                        "context_length": _nullable("integer"),
+                       "prompt_cache_bytes": {"type": "integer", "minimum": 0,
+                                              "description": "the prompt cache's byte budget in force (0: off)"},
                        "load_seconds": {"type": "number", "description": "from the start of loading to ready, "
                                                                          "warm-up included"},
                        "resident_memory_bytes": {**_nullable("integer"),

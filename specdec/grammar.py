@@ -190,7 +190,6 @@ class GrammarCompiler:
         logger.debug("compiled a %s grammar in %.4fs", constraint.kind, compiled.compile_seconds)
         return compiled
 
-
     def _blame_a_part(self, constraint: Constraint) -> None:
         """The first of the constraint's parts that does not compile alone: its error, naming its field."""
         for part in constraint.parts:

@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import SpecDecError
@@ -111,6 +110,8 @@ class Settings(BaseModel):
     @classmethod
     def _device(cls, value: str) -> str:
         if value.strip().lower() != "auto":
+            import torch  # here: the settings are read without torch (gunicorn's config file, the default pair's checks)
+
             try:
                 torch.device(value.strip())
             except (RuntimeError, TypeError):

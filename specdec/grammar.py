@@ -211,7 +211,12 @@ class GrammarState:
     llguidance builds its lexer lazily, so a grammar within the limits at compilation may exceed them later (a
     regex such as `a{999999}`, at its first token): the matcher then fails, and so does the request, with a
     SpecDecError naming the constraint's field (`on_error` is told first), never an output cut short as if the
-    grammar were complete."""
+    grammar were complete.
+
+    A dead end (the grammar goes on only through text no token writes: a character outside a character-level
+    vocabulary without byte tokens) allows only the end-of-sequence tokens there, as an end would, and fails the
+    request once such an end is committed (`sync`), not while it is only proposed: a draft may explore a dead end
+    the target then rejects, and every method must fail exactly where target-only decoding would."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos: set[int], preferred_eos: int | None = None,
                  width: int | None = None, specials: torch.Tensor | None = None, *,
@@ -227,6 +232,7 @@ class GrammarState:
         self._bits = llguidance.torch.allocate_token_bitmask(1, max(vocab_size, width or 0))
         self._shifts = torch.arange(32, dtype=torch.int32)
         self._mask: torch.Tensor | None = None  # the current position's, until the state moves
+        self._dead_ends: set[int] = set()  # positions (len(tokens) there) found to be dead ends on the path consumed
         self.seconds = 0.0
         self.masks = 0
 
@@ -241,7 +247,9 @@ class GrammarState:
             self._refuse_specials(bits)
             can_end = self.matcher.is_accepting() or self.matcher.is_stopped()
             if offered and not can_end and not bool(bits.any()):
-                self._dead_end()
+                if not self.eos:  # nothing could end it here: fail at once
+                    self._dead_end()
+                self._dead_ends.add(len(self.tokens))
             if self.eos:
                 bits[self.eos] = can_end
             if not bool(bits.any()):  # complete: nothing is possible but to end
@@ -283,12 +291,12 @@ class GrammarState:
                        f"({_first_lines(self.matcher.get_error(), 1)}); simplify it (smaller repetition counts, "
                        f"fewer alternatives)")
 
-    def _dead_end(self) -> None:
-        """Raise where the grammar goes on only through text no token of the vocabulary writes (a character
-        outside a character-level vocabulary without byte tokens): ending there would answer "stop" with text
-        that does not match (found by an audit)."""
-        self._fail(f"cannot be completed with this model's tokens after {len(self.tokens)} tokens: it goes on only "
-                   f"through text that no token writes (a character outside the vocabulary)")
+    def _dead_end(self, at: int | None = None) -> None:
+        """Raise for a dead end `at` tokens in (where the grammar goes on only through text no token of the
+        vocabulary writes): ending there would answer "stop" with text that does not match (found by an audit)."""
+        at = len(self.tokens) if at is None else at
+        self._fail(f"cannot be completed with this model's tokens after {at} tokens: it goes on only through text "
+                   f"that no token writes (a character outside the vocabulary)")
 
     def _fail(self, problem: str) -> None:
         if self._on_error is not None:
@@ -301,6 +309,8 @@ class GrammarState:
 
     def advance(self, token: int) -> None:
         """Consume one allowed token (an end-of-sequence token only moves the position)."""
+        if token in self.eos:
+            self.allowed()  # marks a dead end here, if this is one (the engine has this mask already)
         start = time.perf_counter()
         if token not in self.eos and not self.matcher.consume_token(token):
             self._check()
@@ -322,7 +332,10 @@ class GrammarState:
             dropped = self.tokens[common:]
             self.matcher.rollback(sum(1 for t in dropped if t not in self.eos))
             del self.tokens[common:]
+            self._dead_ends = {position for position in self._dead_ends if position <= common}
             self._mask = None
             self.seconds += time.perf_counter() - start
         for token in generated[common:]:
             self.advance(token)
+        if any(position < len(generated) and generated[position] in self.eos for position in self._dead_ends):
+            self._dead_end(at=min(self._dead_ends))

@@ -187,6 +187,47 @@ def test_a_grammar_no_token_can_go_on_with_fails_naming_its_field(tiny, method, 
     assert error.value.field == constraint.field
 
 
+def test_a_dead_end_only_proposed_is_no_failure_and_one_committed_is(tiny):
+    """Found reviewing the dead-end fix: a draft may propose into a dead end that the target then rejects, so the
+    dead end allows only an end there and fails the request when that end is committed, not when it is proposed
+    (failing at once would fail requests target-only decoding completes)."""
+    _, tokenizer, compiler = tiny
+    eos = tokenizer.convert_tokens_to_ids("<eos>")
+    state = compiler.compile(Constraint("regex", "ab\tc|xyz", field="structured_outputs.regex")).start({eos})
+    ids = {c: tokenizer.convert_tokens_to_ids(c) for c in "abxyz"}
+    for token in (ids["a"], ids["b"]):  # proposed
+        state.advance(token)
+    assert state.allowed().nonzero().flatten().tolist() == [eos]  # the dead end: only an end
+    state.sync([ids["x"]])  # the target rejected "a": back, and on another way
+    for token in (ids["y"], ids["z"]):
+        state.sync(state.tokens + [token])
+    state.sync(state.tokens + [eos])  # a real end: fine
+    state = compiler.compile(Constraint("regex", "ab\tc|xyz", field="structured_outputs.regex")).start({eos})
+    with pytest.raises(SpecDecError, match="after 2 tokens") as error:
+        state.sync([ids["a"], ids["b"], eos])  # the dead end's end, committed
+    assert error.value.field == "structured_outputs.regex"
+
+
+@pytest.mark.parametrize("dead, open_", [("a", "b"), ("f", "c"), ("i", "a")])
+def test_a_dead_end_the_draft_proposes_fails_no_method_that_target_only_completes(tiny, dead, open_):
+    """`(<dead>\t|<open><open>)` on the character tokenizer (no tab token): greedy, the draft takes the dead way (draft-only
+    decoding fails) and the target the open one. Target-only, Google and DeepMind give the same answer: the draft's
+    proposal into the dead end is rejected, not a failure of the request."""
+    decoder, tokenizer, compiler = tiny
+    prompt = tokenizer.encode("pick 0:", add_special_tokens=False)
+    constraint = Constraint("regex", f"({dead}\\t|{open_}{open_})", field="structured_outputs.regex")
+
+    def decode(method):
+        return decoder.generate(prompt, params=SamplingParams(max_new_tokens=4, temperature=0, method=method, gamma=4),
+                                grammar=compiler.compile(constraint)).token_ids
+
+    with pytest.raises(SpecDecError, match="cannot be completed"):
+        decode("draft")
+    answer = decode("target")
+    assert tokenizer.decode(answer, skip_special_tokens=True) == open_ * 2
+    assert decode("google") == decode("deepmind") == answer
+
+
 def test_regex_and_choice_constraints(tiny):
     decoder, tokenizer, compiler = tiny
     prompt = tokenizer.encode("pick:", add_special_tokens=False)

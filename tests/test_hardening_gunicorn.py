@@ -59,6 +59,27 @@ def test_what_gunicorn_cannot_parse_is_answered_in_json(server, good_answer, hea
     assert server.post(GOOD).json()["text"] == good_answer
 
 
+@pytest.mark.parametrize("status, reason, kind", [(501, "Not Implemented", "bad_request"),
+                                                  (500, "Internal Server Error", "internal_error")])
+def test_gunicorns_own_answer_is_typed_by_whose_fault_it_is(status, reason, kind):
+    """501 is gunicorn's answer to an unsupported transfer coding: the client's, so `bad_request`."""
+    from specdec.serve.worker import write_json_error
+
+    class Sock:  # what gunicorn.util.write_nonblock uses of a socket
+        sent = b""
+
+        def gettimeout(self):
+            return 0.0
+
+        def sendall(self, data):
+            self.sent += data
+
+    sock = Sock()
+    write_json_error(sock, status, reason, "")
+    head, _, body = sock.sent.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/1.1 {status} {reason}".encode()) and json.loads(body)["error"]["type"] == kind
+
+
 def test_sixteen_concurrent_clients(server):
     load = stress.run_load(server, clients=16, seconds=4, max_new_tokens=16)
     assert load["other_status"] == 0 and load["connection_errors"] == 0, load["samples"]

@@ -158,9 +158,11 @@ def test_unreadable_toml_is_one_clear_error(tmp_path):
 def test_numbers_and_devices_that_are_fine_stay_fine():
     settings = load_settings({"temperature": 1, "queue_timeout": 30}, environ={
         "SPECDEC_PORT": "+5001", "SPECDEC_GAMMA": "adaptive", "SPECDEC_DRAFT_VOCAB_SIZE": "auto",
+        "SPECDEC_PROMPT_CACHE_BYTES": "4_000_000_000",  # Python's own integer syntax, as pydantic took it
         "SPECDEC_DEVICE": "cuda:1", "SPECDEC_STREAM_INTERVAL": "0.01", "SPECDEC_COMPILE": "TRUE"})
     assert (settings.port, settings.gamma, settings.draft_vocab_size, settings.device) == (5001, None, None, "cuda:1")
     assert settings.temperature == 1.0 and settings.stream_interval == 0.01 and settings.compile == "true"
+    assert settings.prompt_cache_bytes == 4_000_000_000
 
 
 def test_a_misspelled_variable_is_named_and_others_left_alone(caplog):

@@ -8,7 +8,7 @@ import json
 import jsonschema
 import pytest
 
-from specdec.grammar import GrammarCompiler
+from specdec.grammar import Constraint, GrammarCompiler
 from specdec.serve.structured import (
     NamedToolChoice,
     Tool,
@@ -246,6 +246,18 @@ def test_under_auto_every_call_is_constrained_and_text_after_the_last_holds_none
     # arguments in response_format's JSON: no whitespace but the separators (found by the same audit)
     assert not accepts(service_tokenizer, grammar, '<tool_call>\n{"name": "f", "arguments": { "on":true}',
                        ending=False)
+
+
+def test_a_tools_own_json_options_are_kept(service_tokenizer):
+    """The compact JSON options go under a tool's own `x-guidance` (found reviewing the compact-arguments change,
+    which replaced them): a tool that asks for lenient schemas compiles, as the same schema does as a
+    response_format."""
+    schema = {"type": "object", "properties": {"when": {"type": "string", "format": "no-such-format"}},
+              "x-guidance": {"lenient": True}}
+    tools = [Tool(type="function", function={"name": "f", "parameters": schema})]
+    assert accepts(service_tokenizer, tool_constraint(tools, "required", parallel=False, special=False),
+                   '<tool_call>\n{"name": "f", "arguments": {"when": "now"}}\n</tool_call>')
+    assert accepts(service_tokenizer, Constraint.json_schema(schema), '{"when": "now"}')
 
 
 @pytest.fixture

@@ -26,7 +26,6 @@ ENV_PREFIX = "SPECDEC_"
 CONFIG_ENV = "SPECDEC_CONFIG"
 logger = logging.getLogger(__name__)
 ADAPTIVE = "adaptive"
-INTEGER = re.compile(r"[+-]?\d+")
 # draft_confidence_threshold "auto" for the default pair (measured, bench/README.md "Draft-confidence stop"); other
 # pairs, and pairs a custom loader gives, keep 0 (the draft always drafts gamma tokens)
 DEFAULT_PAIR_CONFIDENCE_THRESHOLD = 0.6
@@ -101,8 +100,7 @@ class Settings(BaseModel):
             return value
         if isinstance(value, bool):
             raise ValueError(f"must be a number, not {str(value).lower()}")
-        if float not in kinds and (isinstance(value, float) or isinstance(value, str) and INTEGER.fullmatch(
-                value.strip()) is None and value.strip().lower() not in ("auto", ADAPTIVE, "none", "null")):
+        if float not in kinds and (isinstance(value, float) or isinstance(value, str) and not _integral(value)):
             raise ValueError(f"must be an integer, got {value!r}")
         return value
 
@@ -110,7 +108,7 @@ class Settings(BaseModel):
     @classmethod
     def _device(cls, value: str) -> str:
         if value.strip().lower() != "auto":
-            import torch  # here: the settings are read without torch (gunicorn's config file, the default pair's checks)
+            import torch  # only here, as `confidence_threshold` imports the model sources (and torch) only there
 
             try:
                 torch.device(value.strip())
@@ -203,6 +201,18 @@ class Settings(BaseModel):
             if getattr(self, key) > getattr(self, limit):
                 raise ValueError(f"{key} ({getattr(self, key)}) exceeds {limit} ({getattr(self, limit)})")
         return self
+
+
+def _integral(text: str) -> bool:
+    """Whether an integer setting's text is an integer as Python writes one ("5", "+5", "5_000") or a word the
+    setting takes for its automatic value ("auto", "adaptive", "none", "null")."""
+    if text.strip().lower() in ("auto", ADAPTIVE, "none", "null"):
+        return True
+    try:
+        int(text.strip())
+    except ValueError:
+        return False
+    return True
 
 
 def read_api_keys(path: str) -> tuple[str, ...]:

@@ -19,9 +19,6 @@ from pydantic_core import PydanticCustomError
 from ..grammar import JSON_OPTIONS, MAX_CHOICES, Constraint
 
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
-# a tool's parameters embedded in the tools' grammar: JSON written as response_format's is (grammar.JSON_OPTIONS),
-# llguidance's per-schema options
-COMPACT = {"x-guidance": JSON_OPTIONS}
 CALL = re.compile(re.escape(CALL_BEGIN) + r"\s*(\{.*?\})\s*" + re.escape(CALL_END), re.DOTALL)
 # a call's beginning, up to where its arguments start: its name is then known
 CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -177,6 +174,14 @@ def _call_schema(function: FunctionDefinition) -> dict:
     return function.parameters if function.parameters is not None else {"type": "object"}
 
 
+def _compact(schema: dict) -> dict:
+    """A tool's parameters as embedded in the tools' grammar: JSON written as response_format's is
+    (grammar.JSON_OPTIONS, llguidance's per-schema `x-guidance` options), the client's own options first, as
+    response_format takes them."""
+    own = schema.get("x-guidance")
+    return {**schema, "x-guidance": {**JSON_OPTIONS, **own} if isinstance(own, dict) else JSON_OPTIONS}
+
+
 def tool_constraint(tools: list[Tool], tool_choice, parallel: bool, special: bool) -> Constraint | None:
     """The grammar of an answer under tool_choice: required, only calls (one, or with `parallel` one or more);
     named, exactly one call of that function (as vLLM and OpenAI answer it: a small model left free to go on calls
@@ -195,7 +200,7 @@ def tool_constraint(tools: list[Tool], tool_choice, parallel: bool, special: boo
     for i, (_, tool) in enumerate(indexed):
         head = json.dumps('{"name"' + JSON_OPTIONS["key_separator"] + json.dumps(tool.function.name)
                           + JSON_OPTIONS["item_separator"] + '"arguments"' + JSON_OPTIONS["key_separator"])
-        lines.append(f"fn_{i}: {head} %json {json.dumps(_call_schema(tool.function) | COMPACT)} \"}}\"")
+        lines.append(f"fn_{i}: {head} %json {json.dumps(_compact(_call_schema(tool.function)))} \"}}\"")
         bodies.append(f"fn_{i}")
     body = " | ".join(bodies)
     if tool_choice == "auto":

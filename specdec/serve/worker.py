@@ -92,8 +92,9 @@ class Worker(GeventWorker):
 def write_json_error(sock, status: int, reason: str, message: str) -> None:
     """gunicorn's answer to a request it could not parse (its line, its headers, a chunk), as
     `gunicorn.util.write_error` writes it, with the service's error body in place of an HTML page: its type
-    `bad_request` (`internal_error` for a 5xx), gunicorn's message, no field."""
-    body = json.dumps({"error": {"type": "internal_error" if status >= 500 else "bad_request",
+    `bad_request` (`internal_error` for a 500; a 501 is an unsupported transfer coding, the client's), gunicorn's
+    message, no field."""
+    body = json.dumps({"error": {"type": "internal_error" if status == 500 else "bad_request",
                                  "message": message or reason, "field": None}}).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n")

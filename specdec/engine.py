@@ -7,6 +7,7 @@ goes to the DEBUG log.
 """
 
 import dataclasses
+import inspect
 import logging
 import numbers
 import os
@@ -406,20 +407,17 @@ class SpeculativeDecoder:
         "stop" (a caller's stop string) and raises StopIteration carrying the result; `close()` just abandons it.
         """
         prompt = self._prompt(input_ids)
+        keywords = {"max_new_tokens": max_new_tokens, "method": method, "gamma": gamma, "temperature": temperature,
+                    "top_k": top_k, "top_p": top_p, "seed": seed}
         if params is None:
             unknown = sorted(set(sampling) - set(SamplingParams.field_names()))
             if unknown:
                 raise SpecDecError(f"unknown sampling argument {unknown[0]!r}", field=unknown[0])
-            params = SamplingParams(**{"max_new_tokens": max_new_tokens, "method": method, "gamma": gamma,
-                                       "temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed,
-                                       **sampling})
+            params = SamplingParams(**keywords, **sampling)
         elif not isinstance(params, SamplingParams):
             raise SpecDecError(f"params must be a SamplingParams, got {type(params).__name__}", field="params")
         else:  # a keyword beside params would be ignored: refused instead (it cannot tell a default given again)
-            given = {"max_new_tokens": max_new_tokens != 64, "method": method != "google", "gamma": gamma != 4,
-                     "temperature": temperature != 1.0, "top_k": top_k != 0, "top_p": top_p != 1.0,
-                     "seed": seed is not None} | dict.fromkeys(sampling, True)
-            if clash := [name for name, differs in given.items() if differs]:
+            if clash := [name for name, value in keywords.items() if value != _STREAM_DEFAULTS[name]] + list(sampling):
                 raise SpecDecError(f"{clash[0]} was given beside params: set it in params (params.replace("
                                    f"{clash[0]}=...))", field=clash[0])
         seed = int.from_bytes(os.urandom(8), "little") >> 1 if params.seed is None else params.seed % 2**64
@@ -788,6 +786,11 @@ class SpeculativeDecoder:
         if self.round_observer is not None:
             self.round_observer(x, q, p[:k])
         return verification.VERIFIERS[rule](x, q, p, uniforms)
+
+
+# stream's arguments and their defaults: the sampling keywords a call beside `params` must leave as they are
+_STREAM_DEFAULTS = {name: parameter.default
+                    for name, parameter in inspect.signature(SpeculativeDecoder.stream).parameters.items()}
 
 
 class _Warper:

@@ -243,10 +243,9 @@ class GrammarState:
             llguidance.torch.fill_next_token_bitmask(self.matcher, self._bits)
             self._check()
             bits = ((self._bits[0].unsqueeze(-1) >> self._shifts) & 1).flatten()[: self.vocab_size].bool()
-            offered = bool(bits.any())
-            self._refuse_specials(bits)
+            refused = self._refuse_specials(bits)
             can_end = self.matcher.is_accepting() or self.matcher.is_stopped()
-            if offered and not can_end and not bool(bits.any()):
+            if refused and not can_end and not bool(bits.any()):  # only refused tokens were offered
                 if not self.eos:  # nothing could end it here: fail at once
                     self._dead_end()
                 self._dead_ends.add(len(self.tokens))
@@ -261,15 +260,18 @@ class GrammarState:
             self.seconds += time.perf_counter() - start
         return self._mask
 
-    def _refuse_specials(self, bits: torch.Tensor) -> None:
-        """Clear the special tokens a mask allows that the matcher would refuse. Where a grammar needs bytes no
-        token makes (a character outside a character-level vocabulary, which has no byte tokens), llguidance's
-        mask and forced tokens offer the unknown-token, which it then refuses to consume."""
+    def _refuse_specials(self, bits: torch.Tensor) -> bool:
+        """Clear the special tokens a mask allows that the matcher would refuse; whether it cleared any. Where a
+        grammar needs bytes no token makes (a character outside a character-level vocabulary, which has no byte
+        tokens), llguidance's mask and forced tokens offer the unknown-token, which it then refuses to consume."""
+        refused = False
         if self.specials is None or not len(self.specials):
-            return
+            return refused
         for token in self.specials[bits[self.specials]].tolist():
             if not self.matcher.validate_tokens([token]):
                 bits[token] = False
+                refused = True
+        return refused
 
     def forced(self) -> int | None:
         """The token the grammar forces here (the first of its forced string, as the tokenizer would write it;

@@ -26,6 +26,7 @@ ENV_PREFIX = "SPECDEC_"
 CONFIG_ENV = "SPECDEC_CONFIG"
 logger = logging.getLogger(__name__)
 ADAPTIVE = "adaptive"
+NONE = ("none", "null")  # besides "auto" or "adaptive", the words for a setting's automatic value
 # draft_confidence_threshold "auto" for the default pair (measured, bench/README.md "Draft-confidence stop"); other
 # pairs, and pairs a custom loader gives, keep 0 (the draft always drafts gamma tokens)
 DEFAULT_PAIR_CONFIDENCE_THRESHOLD = 0.6
@@ -119,14 +120,14 @@ class Settings(BaseModel):
     @field_validator("gamma", mode="before")
     @classmethod
     def _adaptive(cls, value):
-        if isinstance(value, str) and value.strip().lower() in (ADAPTIVE, "none", "null"):
+        if isinstance(value, str) and value.strip().lower() in (ADAPTIVE, *NONE):
             return None
         return value
 
     @field_validator("prompt_cache_bytes", "draft_vocab_size", "draft_confidence_threshold", mode="before")
     @classmethod
     def _auto(cls, value):
-        if isinstance(value, str) and value.strip().lower() in ("auto", "none", "null"):
+        if isinstance(value, str) and value.strip().lower() in ("auto", *NONE):
             return None
         return value
 
@@ -206,7 +207,7 @@ class Settings(BaseModel):
 def _integral(text: str) -> bool:
     """Whether an integer setting's text is an integer as Python writes one ("5", "+5", "5_000") or a word the
     setting takes for its automatic value ("auto", "adaptive", "none", "null")."""
-    if text.strip().lower() in ("auto", ADAPTIVE, "none", "null"):
+    if text.strip().lower() in ("auto", ADAPTIVE, *NONE):
         return True
     try:
         int(text.strip())

@@ -287,11 +287,11 @@ class Reply:
         """The prompt's tokens, with echo and logprobs: offsets from their text pieces."""
         if not self.logprobs or choices.echoes is None or generation.prompt_logprobs is None:
             return []
-        entries, offset = [], 0
+        entries, offset, echo = [], 0, choices.echo(index)
         pieces = token_pieces(choices.svc.decode, generation.prompt_ids)
-        if "".join(pieces) != choices.echo(index):  # a prompt sent as text that holds a special token's text
+        if "".join(pieces) != echo:  # a prompt sent as text that holds a special token's text
             shown = token_pieces(choices.svc.detokenize, generation.prompt_ids)  # such tokens as written
-            pieces = shown if "".join(shown) == choices.echo(index) else pieces
+            pieces = shown if "".join(shown) == echo else pieces
         for token, figures, piece in zip(generation.prompt_ids, generation.prompt_logprobs, pieces):
             entries.append((token, figures, offset))
             offset += len(piece)

@@ -245,8 +245,10 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     unfinished = tail >= 0 and CALL_END not in text[tail:]
     if unfinished and (call := _unfinished_call(text[tail + len(CALL_BEGIN):])) is not None:
         calls.append(call)
-    content = CALL.sub("", text[:tail] if unfinished and calls else text) if calls else text
-    return (content.strip() if calls else content) or None, calls
+    if not calls:
+        return text or None, calls
+    content = CALL.sub("", text[:tail] if unfinished else text).strip()
+    return content or None, calls
 
 
 def _unfinished_call(body: str) -> ToolCall | None:

@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -166,6 +167,62 @@ def test_a_client_that_disconnects_stops_the_generation(server):
     assert server.metric("specdec_generated_tokens_total") - generated_before < 200
     assert re.search(r"request_id=disconnects-1 .*finish_reason=cancelled", server.log())
     assert post(server, {"prompt": PROMPT, "max_new_tokens": 5}).status_code == 200  # the engine is free again
+
+
+def _send_raw(server, path: str, body: dict, request_id: str) -> socket.socket:
+    """A connection with one JSON POST sent on it, its answer not read."""
+    data = json.dumps(body).encode()
+    connection = socket.create_connection((server.url.split("//")[1].split(":")[0], int(server.url.rsplit(":", 1)[1])))
+    connection.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       f"X-Request-ID: {request_id}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return connection
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/predict", {"prompt": PROMPT, "max_new_tokens": 200, "temperature": 0, "ignore_eos": True}),
+    ("/v1/chat/completions", {"model": "target", "messages": [{"role": "user", "content": PROMPT}], "n": 2,
+                              "max_tokens": 200, "temperature": 0, "ignore_eos": True}),
+])
+def test_a_client_that_hangs_up_on_a_json_answer_stops_its_generation(server, path, body):
+    """A JSON answer writes nothing until the end, so no failed write tells the server the client has gone: it
+    watches the socket (concurrency.watch_disconnect). Without it, each of an SDK's timed-out retries decoded to
+    the end while every other client waited. 200 tokens take over a second here (5 ms a target forward)."""
+    generated_before = server.metric("specdec_generated_tokens_total")
+    request_id = f"hangs-up-{path.strip('/').replace('/', '-')}"
+    connection = _send_raw(server, path, body, request_id)
+    time.sleep(0.3)  # decoding
+    connection.close()
+    deadline = time.monotonic() + 20
+    while not re.search(rf"request_id={request_id} ", server.log()):  # the log line: when the request ends
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.05)
+    assert re.search(rf"request_id={request_id} .*finish_reason=cancelled", server.log()), server.log()
+    assert server.metric("specdec_generated_tokens_total") - generated_before < 200  # of 200 (400 with n=2)
+    assert post(server, {"prompt": PROMPT, "max_new_tokens": 5}).status_code == 200  # the engine is free again
+
+
+def test_a_kept_alive_clients_next_request_is_not_a_hang_up(server):
+    """Two requests pipelined on one connection: the second, waiting in the socket while the first decodes, is
+    not taken for the client leaving; both are answered whole."""
+    body = {"prompt": PROMPT, "max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
+    connection = _send_raw(server, "/predict", body, "pipelined-1")
+    data = json.dumps(body).encode()
+    connection.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    reader = connection.makefile("rb")
+    try:
+        for _ in range(2):
+            assert reader.readline().startswith(b"HTTP/1.1 200")
+            length = None
+            while (line := reader.readline()) not in (b"\r\n", b""):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            answer = json.loads(reader.read(length))
+            assert answer["finish_reason"] == "length" and answer["usage"]["completion_tokens"] == 60
+    finally:
+        reader.close()
+        connection.close()
+    assert not re.search(r"request_id=pipelined-1 .*finish_reason=cancelled", server.log())
 
 
 def test_sigterm_lets_the_in_flight_request_finish(tmp_path_factory, tiny_pair_dirs):

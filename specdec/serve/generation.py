@@ -42,6 +42,7 @@ class Generation:
         self.new_tokens = 0
         self.deadline = time.perf_counter() + service.settings.request_timeout  # the engine is ours until then
         self.timed_out = False
+        self.abandoned = False  # the client has gone (a JSON answer's): decoding ends at the next round's end
         self.final = False  # the round just decoded was the last: the next step ends without decoding
         self.closed = False
         self._close_lock = threading.Lock()
@@ -87,12 +88,19 @@ class Generation:
         return chunk
 
     def _over_time(self, chunk) -> bool:
-        """Whether the time budget is spent (decoding is then ended), unless this round ended it anyway."""
+        """Whether the time budget is spent, or the client has gone (decoding is then ended), unless this round
+        ended it anyway."""
         if time.perf_counter() > self.deadline and not self._finished_by(chunk):
-            self.timed_out = True
+            self.timed_out = not self.abandoned
             self._end()
             return True
         return False
+
+    def abandon(self) -> None:
+        """The client has gone: end decoding after the round now decoding, as a spent time budget does (its
+        deadline is what each round checks). From the request's greenlet (concurrency.watch_disconnect)."""
+        self.abandoned = True
+        self.deadline = float("-inf")
 
     def _end(self) -> None:
         """End decoding after the round just committed; the engine returns its result (and stats). On the engine
@@ -130,7 +138,7 @@ class Generation:
     def _decode_deferred(self) -> None:
         """`step` until the end, without stop strings, in one loop; the text made from all rounds at the end (on
         an error, from those decoded until then, without the held-back rest, as `step` leaves it)."""
-        stream, deadline, clock, chunks, ended = self.stream, self.deadline, time.perf_counter, [], False
+        stream, clock, chunks, ended = self.stream, time.perf_counter, [], False
         try:
             while True:
                 chunk, result = _advance(stream)
@@ -139,7 +147,7 @@ class Generation:
                     break
                 chunks.append(chunk)
                 self.new_tokens += len(chunk.token_ids)
-                if clock() > deadline and self._over_time(chunk):
+                if clock() > self.deadline and self._over_time(chunk):  # read each round: abandon() moves it
                     ended = True
                     break
         finally:
@@ -197,6 +205,8 @@ class Generation:
         self.completion.finish()  # decoding has ended (not reached when the client has gone)
 
     def finish_reason(self) -> str | None:
+        if self.abandoned:
+            return "cancelled"
         if self.completion.stopped:
             return "stop"
         if self.timed_out:

@@ -206,6 +206,7 @@ class Choices:
         self.grammar = grammar  # the constraint every choice follows (grammar.CompiledGrammar), if any
         self.echoes = echoes  # with echo: each prompt's text, returned before its completion
         self.slot = svc.acquire(record) if len(prompts) > 1 else None
+        self.abandoned = False  # the client has gone: each choice ends after its first round
         self.generations = [self._start(0)]  # a single prompt waits for the engine here (503 before answering)
 
     def _start(self, index: int) -> Generation:
@@ -221,10 +222,18 @@ class Choices:
 
     def run(self) -> None:
         for _, generation in self:
+            if self.abandoned:
+                generation.abandon()
             try:
                 generation.run()
             finally:
                 generation.close()
+
+    def abandon(self) -> None:
+        """The client has gone (Generation.abandon): the choice decoding ends, and those after it at once."""
+        self.abandoned = True
+        for generation in self.generations:
+            generation.abandon()
 
     def close(self) -> None:
         for generation in self.generations:

@@ -18,7 +18,7 @@ from ..grammar import CompiledGrammar, Constraint
 from ..params import SamplingParams
 from ..text import encode_infill, encode_messages, encode_prompt, token_bytes
 from ..threads import os_lock
-from .concurrency import EngineThread
+from .concurrency import EngineThread, watch_disconnect
 from .config import Settings
 from .errors import ApiError
 from .generation import Generation
@@ -275,7 +275,8 @@ class Service:
             return Response((events or Generation.events)(generation), mimetype="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            generation.run()
+            with watch_disconnect(request.environ.get("gunicorn.socket"), generation.abandon):
+                generation.run()
         finally:
             generation.close()
         return jsonify((body or Generation.body)(generation))

@@ -156,6 +156,21 @@ def test_a_stream_over_its_time_budget_ends_with_time_limit(pair, long_tokens, s
     assert not app.extensions["specdec"].scheduler.busy
 
 
+def test_a_v1_requests_choices_share_one_time_budget(pair, slow):
+    """n choices decode one after another: each with a budget of its own, n = 16 held the engine 16 times
+    request_timeout. All of them now end within one (the later ones decode a round each)."""
+    app = make_app(pair, request_timeout=0.3, max_prompts_per_request=16)
+    start = time.perf_counter()
+    answer = app.test_client().post("/v1/completions", json={
+        "model": "target", "prompt": LONG["prompt"], "max_tokens": 200, "temperature": 0, "gamma": 2, "n": 6,
+        "ignore_eos": True}).get_json()
+    took = time.perf_counter() - start
+    assert len(answer["choices"]) == 6 and all(c["finish_reason"] == "length" for c in answer["choices"])
+    assert took < 1.5  # one budget and a few rounds (six budgets: 1.8 s at the least)
+    assert answer["usage"]["completion_tokens"] < 200
+    assert not app.extensions["specdec"].scheduler.busy
+
+
 def test_a_stream_write_may_not_block_longer_than_the_budget(pair):
     """A client that stops reading a stream would block gunicorn's write, and hold the engine; under gunicorn
     the connection's socket gets the time budget as its timeout for the stream."""

@@ -921,3 +921,22 @@ def test_schemathesis_against_the_v1_routes(pair, path, mode):
     response = case.call()
     assert response.status_code == 200
     case.validate_response(response)
+
+
+def test_a_405_is_labelled_by_its_routes_pattern_not_the_path_the_client_chose(client):
+    """Every POST /v1/models/<anything> is a 405: labelled by the path, each made a new series on /metrics (3,000
+    of them made it 263 MB)."""
+    for name in ("a" * 50, "b" * 50):
+        assert client.post(f"/v1/models/{name}").status_code == 405
+    text = client.get("/metrics").get_data(as_text=True)
+    assert "a" * 50 not in text and "b" * 50 not in text
+    assert metric(client, "specdec_requests_total", '{endpoint="/v1/models/<path:model>",status="405"}') >= 2
+
+
+def test_a_prompts_tokens_count_once_whatever_n_in_the_metrics_as_in_usage(client):
+    before = metric(client, "specdec_prompt_tokens_total")
+    usage = complete(client, max_tokens=2, n=3, seed=1).get_json()["usage"]
+    assert metric(client, "specdec_prompt_tokens_total") - before == usage["prompt_tokens"]
+    before = metric(client, "specdec_prompt_tokens_total")
+    usage = complete(client, prompt=[PROMPT, PROMPT + " again"], max_tokens=2, n=2, seed=1).get_json()["usage"]
+    assert metric(client, "specdec_prompt_tokens_total") - before == usage["prompt_tokens"]

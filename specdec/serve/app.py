@@ -50,8 +50,8 @@ def create_app(config: Mapping | None = None) -> Flask:
         record.status = response.status_code
         if request.url_rule is not None:
             record.endpoint = request.url_rule.rule
-        elif response.status_code == 405:  # a known path: the label set stays bounded
-            record.endpoint = request.path
+        elif response.status_code == 405:  # a known path, labelled by its route's pattern: the label set stays bounded
+            record.endpoint = _route_of(app, request)
         record.route = f"{request.method} {request.path}"
         response.headers["X-Request-ID"] = record.request_id
         if response.is_streamed:
@@ -76,3 +76,14 @@ def create_app(config: Mapping | None = None) -> Flask:
     app.register_blueprint(tokenizer_routes)
     service.start_loading()
     return app
+
+
+def _route_of(app: Flask, req) -> str:
+    """The pattern of the route a request's path matched with another method (a 405): /v1/models/<path:model>
+    for any model's path, never the path itself, which a client chooses."""
+    allowed = getattr(req.routing_exception, "valid_methods", None) or []
+    try:
+        rule, _ = app.url_map.bind_to_environ(req.environ).match(method=allowed[0], return_rule=True)
+        return rule.rule
+    except Exception:  # noqa: BLE001 - no route after all
+        return "unmatched"

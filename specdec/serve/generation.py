@@ -42,6 +42,7 @@ class Generation:
         self.new_tokens = 0
         self.deadline = time.perf_counter() + service.settings.request_timeout  # the engine is ours until then
         self.timed_out = False
+        self.counts_prompt = True  # its prompt tokens go to the metrics (a /v1 request's later choices' do not)
         self.abandoned = False  # the client has gone (a JSON answer's): decoding ends at the next round's end
         self.final = False  # the round just decoded was the last: the next step ends without decoding
         self.closed = False
@@ -304,7 +305,7 @@ class Generation:
         record.acceptance_rate = stats.acceptance_rate if stats else None
         if stats is not None and stats.cached_tokens is not None:
             record.cached_tokens = (record.cached_tokens or 0) + stats.cached_tokens
-        self.service.metrics.observe_generation(len(self.prompt_ids), stats)
+        self.service.metrics.observe_generation(len(self.prompt_ids) if self.counts_prompt else 0, stats)
         if held is not None:
             self.service.metrics.observe_prompt_cache(held)
 

@@ -210,8 +210,11 @@ class Choices:
         self.generations = [self._start(0)]  # a single prompt waits for the engine here (503 before answering)
 
     def _start(self, index: int) -> Generation:
-        return self.svc.generation(self.prompts[index], self.samplings[index], self.record, self.stop,
-                                   slot=self.slot, grammar=self.grammar)
+        generation = self.svc.generation(self.prompts[index], self.samplings[index], self.record, self.stop,
+                                         slot=self.slot, grammar=self.grammar, counts_prompt=index % self.n == 0)
+        if index:  # the request's choices share one time budget, the first's: request_timeout holds the engine
+            generation.deadline = min(generation.deadline, self.generations[0].deadline)
+        return generation
 
     def __iter__(self):
         """(index, generation), each started when reached."""

@@ -241,11 +241,13 @@ class Service:
 
     def generation(self, prompt_ids: list[int], sampling: SamplingParams, record: RequestRecord, stop=(),
                    details: bool = False, slot: Slot | None = None,
-                   grammar: CompiledGrammar | None = None) -> Generation:
+                   grammar: CompiledGrammar | None = None, counts_prompt: bool = True) -> Generation:
         """Wait for the engine (503 when overloaded), unless `slot` (from `acquire`) holds it already, and start
-        decoding: the Generation that drives it."""
+        decoding: the Generation that drives it. `counts_prompt`: its prompt tokens count in the log line and the
+        metrics (a prompt's later choices, with n, count no more, as usage counts them)."""
         record.method = sampling.method
-        record.prompt_tokens = (record.prompt_tokens or 0) + len(prompt_ids)
+        if counts_prompt:
+            record.prompt_tokens = (record.prompt_tokens or 0) + len(prompt_ids)
         if sampling.seed is None:
             sampling = sampling.replace(seed=secrets.randbits(63))
         self._refuse_if_draining(record.started)  # the one way into the engine, whichever route comes this way
@@ -261,6 +263,7 @@ class Service:
                                                     logprobs=sampling.logprobs is not None,
                                                     eos=sampling.ending_tokens(self.models.eos_token_ids),
                                                     min_tokens=sampling.min_tokens)
+        generation.counts_prompt = counts_prompt
         record.generations.append(generation)
         return generation
 

@@ -4,7 +4,6 @@ gunicorn's worker patches): the event loop keeps running while the engine thread
 on the engine thread runs beside it, a thread pool left there ends by itself, and a blocked read is interrupted.
 Also the worker's open-file budget."""
 
-import contextlib
 import json
 import os
 import resource
@@ -78,7 +77,7 @@ def _rounds(record: list, count: int, seconds: float = 0.0):
 def test_ahead_computes_on_the_engine_thread_and_hands_over_everything_in_order():
     engine, made = EngineThread(), []
     engine_thread = engine.call(threading.get_ident)
-    batches = list(engine.ahead(_rounds(made, 30), depth=4))
+    batches = list(engine.ahead(_rounds(made, 30)))
     assert "".join(batches) == "".join(f"<{i}>" for i in range(30))
     assert set(made[:-1]) == {engine_thread} and made[-1] == ("closed on", engine_thread)
 
@@ -86,59 +85,43 @@ def test_ahead_computes_on_the_engine_thread_and_hands_over_everything_in_order(
 def test_ahead_joins_what_is_ready_together_and_takes_one_batch_an_interval():
     engine, made = EngineThread(), []
     started = time.monotonic()
-    batches = list(engine.ahead(_rounds(made, 20, seconds=0.005), depth=64, interval=0.04))
+    batches = list(engine.ahead(_rounds(made, 20, seconds=0.005), interval=0.04))
     seconds = time.monotonic() - started
     assert "".join(batches) == "".join(f"<{i}>" for i in range(20))
     assert 2 <= len(batches) <= 1 + seconds / 0.04 + 1, (len(batches), seconds)  # not one batch an item
     # without an interval, a consumer that keeps up gets the items one by one as they come
-    assert len(list(engine.ahead(_rounds([], 10, seconds=0.02), depth=64))) >= 8
+    assert len(list(engine.ahead(_rounds([], 10, seconds=0.02)))) >= 8
 
 
-def test_ahead_does_not_make_a_full_outbox_wait_out_the_interval():
-    """Items faster than `depth` an interval: the engine thread, finding the outbox full, wakes the consumer,
-    who takes at once instead of at the end of its interval (else 40 items, 4 an interval of 0.5 s, would take
-    5 s: a fast stream capped at depth / interval rounds a second)."""
+def test_ahead_never_waits_for_a_consumer_that_does_not_take_and_reports_the_end_at_once():
+    """A consumer that takes one batch and then nothing (a client that stopped reading): the engine thread makes
+    every item anyway, and `on_end` runs as soon as they are made, while the consumer still has them to take: the
+    engine is then free for others (a stream held it, waiting for room, until the client was dropped)."""
+    engine, made, ended = EngineThread(), [], []
+    engine_thread = engine.call(threading.get_ident)
+    batches = engine.ahead(_rounds(made, 50, seconds=0.002), interval=0.05,
+                           on_end=lambda: ended.append(threading.get_ident()))
+    first = next(batches)
+    deadline = time.monotonic() + 5
+    while not ended:  # the consumer takes nothing meanwhile
+        assert time.monotonic() < deadline, made
+        time.sleep(0.01)
+    assert len(made) == 51 and made[-1] == ("closed on", engine_thread)  # all 50 made, then closed
+    assert ended == [engine_thread]  # without gevent, on the engine thread (with it: tests below, under gevent)
+    assert first + "".join(batches) == "".join(f"<{i}>" for i in range(50))  # and all handed over, in order
+    assert ended == [engine_thread]  # once
+
+
+def test_ahead_stops_the_work_when_the_consumer_closes_it():
+    """A client gone: closing the iterator stops the work before the next item, closes the items on the engine
+    thread, and returns once it has."""
     engine, made = EngineThread(), []
-    started = time.monotonic()
-    batches = list(engine.ahead(_rounds(made, 40), depth=4, interval=0.5))
-    seconds = time.monotonic() - started
-    assert "".join(batches) == "".join(f"<{i}>" for i in range(40))
-    assert seconds < 2.5, (seconds, len(batches))
-
-
-def test_ahead_runs_up_to_most_items_ahead_while_the_consumer_keeps_its_interval():
-    """Items faster than `depth` an interval go out an interval at a time while the consumer keeps it (the
-    engine thread runs up to `most` ahead), not `depth` at a time with a wake-up each."""
-    kept_up, by_depth = EngineThread(), EngineThread()
-    batches = list(kept_up.ahead(_rounds([], 40), depth=4, interval=0.3, most=40))
-    assert "".join(batches) == "".join(f"<{i}>" for i in range(40))
-    assert len(batches) <= 3, batches  # the first item, then the rest made within the interval
-    assert len(list(by_depth.ahead(_rounds([], 40), depth=4, interval=0.3))) >= 10  # `most` defaults to depth
-
-
-def test_ahead_stays_within_depth_of_a_consumer_late_by_more_than_its_interval():
-    """A consumer that takes nothing for longer than two intervals (a client that reads slowly, or has gone)
-    stops the work at `depth` untaken items, whatever `most`: past them nothing more is made."""
-    engine, made = EngineThread(), []
-    with contextlib.closing(engine.ahead(_rounds(made, 100, seconds=0.01), depth=3, interval=0.05,
-                                         most=100)) as batches:
-        taken = next(batches).count("<")
-        time.sleep(0.5)  # late by ten intervals: about 50 items would be made without the bound
-        ahead = len(made) - taken
-    assert 3 <= ahead <= 3 + 2 * 0.05 / 0.01 + 2, ahead  # depth, or what two intervals made, and no more
-
-
-def test_ahead_does_not_stop_for_a_consumer_late_by_less_than_a_second_interval():
-    """A consumer on time wakes after its interval, and then takes: a little late, by its wake-up and its work.
-    Within a second interval the engine thread goes on up to `most` (stopping at `depth` after one interval
-    had it wait for every batch of a consumer on time)."""
-    engine, made = EngineThread(), []
-    with contextlib.closing(engine.ahead(_rounds(made, 100, seconds=0.01), depth=3, interval=0.2,
-                                         most=100)) as batches:
-        taken = next(batches).count("<")
-        time.sleep(0.38)  # late by nine tenths of an interval: about 38 items made, 20 had it stopped after one
-        ahead = len(made) - taken
-    assert ahead >= 27, ahead
+    batches = engine.ahead(_rounds(made, 1000, seconds=0.002))
+    assert next(batches).startswith("<0>")
+    batches.close()
+    assert made[-1] == ("closed on", engine.call(threading.get_ident))
+    assert len(made) < 500, len(made)  # stopped, not run to the end
+    assert engine.call(lambda: "still serving") == "still serving"
 
 
 def test_ahead_converts_the_items_taken_together_on_the_consumers_side():
@@ -151,22 +134,10 @@ def test_ahead_converts_the_items_taken_together_on_the_consumers_side():
         sizes.append(len(items))
         return "".join(items).upper()
 
-    batches = list(engine.ahead((f"<x{i}>" for i in range(12)), depth=4, interval=0.05, convert=convert))
+    batches = list(engine.ahead((f"<x{i}>" for i in range(12)), interval=0.05, convert=convert))
     assert "".join(batches) == "".join(f"<X{i}>" for i in range(12))
     assert set(converted_on) == {threading.get_ident()} != {engine_thread}
     assert sum(sizes) == 12 and len(batches) == len(sizes) < 12  # once a batch, not once an item
-
-
-def test_ahead_stays_at_most_depth_items_ahead_of_a_consumer_that_does_not_take():
-    engine, made = EngineThread(), []
-    batches = engine.ahead(_rounds(made, 100), depth=3)
-    first = next(batches)
-    assert first.startswith("<0>")
-    time.sleep(0.3)  # the consumer takes nothing more
-    assert len(made) <= first.count("<") + 3, made  # the items taken, and at most depth made ahead of them
-    batches.close()  # a client gone: the work stops, and the stream is closed on the engine thread first
-    assert made[-1] == ("closed on", engine.call(threading.get_ident))
-    assert engine.call(lambda: "still serving") == "still serving"
 
 
 def test_ahead_raises_an_exception_of_the_items_in_the_consumer():
@@ -174,11 +145,12 @@ def test_ahead_raises_an_exception_of_the_items_in_the_consumer():
         yield "<0>"
         raise ValueError("bad round")
 
-    batches = []
+    batches, ended = [], []
     with pytest.raises(ValueError, match="bad round"):
-        for batch in EngineThread().ahead(failing(), depth=4):
+        for batch in EngineThread().ahead(failing(), on_end=lambda: ended.append(True)):
             batches.append(batch)
     assert batches == ["<0>"]  # the item before the failure still comes first
+    assert ended == [True]
 
 
 def test_start_os_thread_carries_the_result_or_the_exception():
@@ -224,8 +196,15 @@ GEVENT_SCRIPT = textwrap.dedent("""
                 a = (a @ a).tanh()
             yield f"<{i}>"
     ticks_before = len(gaps)
-    ahead = "".join(engine.ahead(items(), 4, 0.02))
+    ahead = "".join(engine.ahead(items(), 0.02))
     ahead_ticks = len(gaps) - ticks_before
+    ended = []  # a consumer busy elsewhere (a write to a slow client): on_end runs in a greenlet of this loop
+    batches = engine.ahead(items(), 0.02, on_end=lambda: ended.append((threading.get_native_id(),
+                                                                        gevent.getcurrent() is not gevent.get_hub())))
+    next(batches)
+    gevent.sleep(1.0)  # the 20 items take 0.2 s
+    ended_while_busy = list(ended)
+    rest = "".join(batches)
     loaded = threading.Event()
     engine.submit(lambda: (time.sleep(0.2), loaded.set()))  # set from the engine thread, awaited on the loop
     woke = loaded.wait(5)
@@ -258,7 +237,8 @@ GEVENT_SCRIPT = textwrap.dedent("""
     print(json.dumps({"patched": gevent_patched(), "engine_thread": engine_thread,
                       "loop_thread": threading.get_native_id(), "ticks": len(gaps), "max_gap": max(gaps),
                       "woke": woke, "interrupted_after": interrupted, "overlaps": overlaps,
-                      "pool_ended": pool_ended, "ahead": ahead, "ahead_ticks": ahead_ticks}))
+                      "pool_ended": pool_ended, "ahead": ahead, "ahead_ticks": ahead_ticks,
+                      "ended_while_busy": ended_while_busy, "ended": ended, "rest": rest}))
 """)
 
 
@@ -272,6 +252,9 @@ def test_under_gevent_the_loop_runs_while_the_engine_thread_computes():
     assert result["woke"] and result["overlaps"] and result["pool_ended"], result
     # a stream computed ahead on the engine thread arrives whole and in order, and the loop runs meanwhile
     assert result["ahead"] == "".join(f"<{i}>" for i in range(20)) and result["ahead_ticks"] >= 5, result
+    # its end reported on the loop's thread, in a greenlet, while the consumer was busy, and once
+    assert result["ended_while_busy"] == result["ended"] == [[result["loop_thread"], True]], result
+    assert result["rest"].endswith("<19>")
     assert result["interrupted_after"] is not None and 0.25 < result["interrupted_after"] < 2, result
 
 

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
-from ..threads import gevent_patched, os_lock, os_thread_id, start_os_thread
+from ..threads import gevent_patched, os_thread_id, start_os_thread
 
 # While idle, the engine thread gives its own gevent loop a turn this often (see EngineThread._serve).
 IDLE_TURN_SECONDS = 0.05
@@ -70,19 +70,21 @@ class EngineThread:
         finally:
             watcher.stop()
 
-    def ahead(self, items: Iterator, depth: int, interval: float = 0.0,
-              convert: Callable[[list], str] | None = None, most: int | None = None) -> Iterator[str]:
+    def ahead(self, items: Iterator, interval: float = 0.0, convert: Callable[[list], str] | None = None,
+              on_end: Callable[[], None] | None = None) -> Iterator[str]:
         """The strings of `items` (or, with `convert`, what it makes of the items taken together, computed by the
         caller as it takes them), the items computed on the engine thread ahead of the caller, who gets them in
-        order: the engine thread never waits for the caller to send one, unless `depth` are untaken and the caller
-        is late (it last took more than two `interval`s ago: a client that reads slowly, or has gone, stops the
-        work within `depth` items), or `most` (default `depth`) are untaken. The caller takes at most one batch
-        every `interval` seconds, the strings ready then joined into one; it is woken only while it waits for one,
-        so the engine thread wakes it once a batch at most, not once a string.
+        order: the engine thread never waits for the caller, who takes at most one batch every `interval`
+        seconds, the strings ready then joined into one; it is woken only while it waits for one, so the engine
+        thread wakes it once a batch at most, not once a string. A caller slower than the items (a client that
+        reads slowly) leaves them to pile up: the work ends as fast as it can, and the engine is free for others.
 
-        Closing the returned iterator (the caller stopped: a client gone) stops the work before its next item and
-        closes `items` on the engine thread, and returns once it has. An exception in `items` is raised here."""
-        outbox = _Outbox(depth, interval, most)
+        `on_end()` runs on the caller's side as soon as the items have ended on the engine thread (under gevent,
+        in a greenlet of the caller's loop), though the caller may still be busy with earlier ones (writing them
+        to a slow client). Closing the returned iterator (the caller stopped: a client gone) stops the work
+        before its next item and closes `items` on the engine thread, and returns once it has. An exception in
+        `items` is raised here."""
+        outbox = _Outbox(interval, on_end)
         self.submit(outbox.fill, items)
         return outbox.drain(convert)
 
@@ -127,18 +129,14 @@ class EngineThread:
 
 
 class _Outbox:
-    """Strings passed from the engine thread (`fill`) to one caller (`drain`): a deque; a wake-up for the caller
-    while it waits (gevent's async watcher under gevent, else an event); and a native lock that the engine thread
-    waits on while it has no room (`_room`)."""
+    """Strings passed from the engine thread (`fill`) to one caller (`drain`): a deque, and a wake-up for the
+    caller (gevent's async watcher under gevent, else an event), sent while it waits and at the end."""
 
-    def __init__(self, depth: int, interval: float = 0.0, most: int | None = None):
-        self.depth, self.interval = depth, interval
-        self.most = max(depth, most or depth)
+    def __init__(self, interval: float = 0.0, on_end: Callable[[], None] | None = None):
+        self.interval = interval
         self._items: deque = deque()  # strings, then an _End
-        self._space = os_lock()  # released by the caller when it takes: the engine thread may go on
-        self._taken_at = time.monotonic()  # when the caller last took (or the outbox was made)
-        self._full = False  # the engine thread waits for room: the caller takes at once, not after its interval
         self._waiting = False  # the caller waits: the next item wakes it
+        self._on_end = on_end  # run on the caller's side once, when the _End is put
         self.cancelled = False  # set by the caller: the engine thread stops before its next item
         if gevent_patched():
             import gevent
@@ -146,24 +144,23 @@ class _Outbox:
 
             self._ready = Event()
             self._watcher = gevent.get_hub().loop.async_()
-            self._watcher.start(self._ready.set)
+            self._watcher.start(self._woken)
             self._wake = self._watcher.send
+            self._spawn = gevent.spawn
         else:
-            self._ready, self._watcher = threading.Event(), None
+            self._ready, self._watcher, self._spawn = threading.Event(), None, None
             self._wake = self._ready.set
 
-    def _room(self) -> bool:
-        """Whether the engine thread may make another item: fewer than `depth` untaken, or fewer than `most` while
-        the caller keeps its interval (rounds faster than `depth` an interval then go out an interval at a time,
-        not `depth` at a time: bench/README.md, "Rounds bound by overhead"). Keeping it is taking again within two
-        intervals: one the caller waits out after it sends, one for its wake-up and its work, so that a caller on
-        time never finds the engine thread waiting for it."""
-        untaken = len(self._items)
-        return untaken < self.depth or (untaken < self.most
-                                        and time.monotonic() - self._taken_at <= 2 * self.interval)
+    def _woken(self) -> None:
+        """Under gevent, on the caller's loop: the caller may go on; at the end, `on_end` (in a greenlet: it
+        may wait, the loop may not)."""
+        self._ready.set()
+        if self._on_end is not None and self._items and isinstance(self._items[-1], _End):
+            on_end, self._on_end = self._on_end, None
+            self._spawn(on_end)
 
     def fill(self, items: Iterator[str]) -> None:
-        """On the engine thread: compute the items while there is room (`_room`), end with the marker."""
+        """On the engine thread: compute the items one after another, end with the marker."""
         ending = _End()
         try:
             while not self.cancelled:
@@ -172,20 +169,14 @@ class _Outbox:
                 except StopIteration:
                     break
                 self._put(item)
-                while not self._room() and not self.cancelled:
-                    self._space.acquire(blocking=False)  # cleared, then taken again when the caller takes
-                    if not self._room() and not self.cancelled:
-                        # no room: the caller takes now, not at the end of its interval (else rounds faster than
-                        # `most` an interval would wait for it: 16 rounds each 5 ms caps a stream at 3,200/s)
-                        self._full = True
-                        self._wake()
-                        self._space.acquire(timeout=IDLE_TURN_SECONDS)
-                        self._full = False
             if hasattr(items, "close"):
                 items.close()  # a generator stopped early runs its own clean-up here, on the engine thread
         except BaseException as error:  # noqa: BLE001 - raised in the caller
             ending = _End(error)
         self._put(ending)
+        if self._watcher is None and self._on_end is not None:  # threads: the callback is the engine thread's
+            on_end, self._on_end = self._on_end, None
+            on_end()
 
     def _put(self, item) -> None:
         self._items.append(item)
@@ -193,10 +184,9 @@ class _Outbox:
             self._wake()
 
     def _pause(self, seconds: float) -> None:
-        """On the caller's side: wait out the interval, unless the end comes first (the last events go at once)
-        or the engine thread has filled the outbox (and waits for room)."""
+        """On the caller's side: wait out the interval, unless the end comes first (the last events go at once)."""
         self._ready.clear()
-        if not (self._items and isinstance(self._items[-1], _End)) and not self._full:
+        if not (self._items and isinstance(self._items[-1], _End)):
             self._ready.wait(seconds)
 
     def _await(self, timeout: float | None = None) -> None:
@@ -211,8 +201,7 @@ class _Outbox:
 
     def drain(self, convert: Callable[[list], str] | None = None) -> Iterator[str]:
         """On the caller's side: the strings as they come (those ready together joined, or `convert` of the items
-        ready together), one batch at most every `interval` seconds. The engine thread may go on once the items
-        are taken, before they are converted."""
+        ready together), one batch at most every `interval` seconds."""
         interval, ending = self.interval, None
         try:
             while True:
@@ -224,9 +213,7 @@ class _Outbox:
                     else:
                         taken.append(item)
                 if taken:
-                    self._taken_at = sent = time.monotonic()
-                    self._full = False
-                    _release(self._space)
+                    sent = time.monotonic()
                     if joined := ("".join(taken) if convert is None else convert(taken)):
                         yield joined
                     if ending is None and (pause := sent + interval - time.monotonic()) > 0:
@@ -239,7 +226,6 @@ class _Outbox:
         finally:
             if ending is None:  # the caller stopped early: stop the engine thread's work, and wait until it has
                 self.cancelled = True
-                _release(self._space)
                 while True:
                     while self._items and not isinstance(self._items[0], _End):
                         self._items.popleft()
@@ -255,13 +241,6 @@ class _End:
 
     def __init__(self, error: BaseException | None = None):
         self.error = error
-
-
-def _release(lock) -> None:
-    try:
-        lock.release()
-    except RuntimeError:  # not held: the engine thread is not waiting
-        pass
 
 
 def _event_loop_turn() -> Callable[[], None] | None:

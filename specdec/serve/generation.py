@@ -20,12 +20,6 @@ from ..stats import GenerationStats
 from ..text import Completion
 from .errors import to_api_error
 
-# Rounds a stream's engine thread may decode beyond those its sender has taken (Generation.rounds): READ_AHEAD
-# once the sender is late (it has not taken any for a stream interval: a slow or departed client), up to
-# READ_AHEAD_MOST while it keeps its interval (rounds faster than READ_AHEAD an interval go out an interval at a time)
-READ_AHEAD = 16
-READ_AHEAD_MOST = 64
-
 
 class Generation:
     """One request's decoding, from the engine stream it was given to its last event."""
@@ -133,7 +127,13 @@ class Generation:
             else:
                 self._decode_deferred()
         finally:
-            self._held = _close(self.stream, self.service.decoder)  # here, not in a second engine call
+            self._close_stream()  # here, not in a second engine call
+
+    def _close_stream(self) -> None:
+        """On the engine thread, once decoding has ended: close the engine's stream (its caches go to the prompt
+        cache), so that the engine may serve the next request while this one's answer is still being sent."""
+        if not self._stream_closed:
+            self._held = _close(self.stream, self.service.decoder)
             self._stream_closed = True
 
     def _decode_deferred(self) -> None:
@@ -163,8 +163,10 @@ class Generation:
     def rounds(self, render: Callable[[list[dict]], str | Iterable[str]],
                render_texts: Callable[[list[str], bool], str] | None = None) -> Iterator[str]:
         """A stream's rounds, each rendered by `render(kept)` (its event, or several), decoded on the engine thread
-        ahead of the sender (READ_AHEAD rounds, more while it keeps its interval): the engine thread never waits
-        for the request's greenlet to send a round, and rounds decoded while it sent go out together.
+        ahead of the sender: the engine thread never waits for the request's greenlet to send a round, and rounds
+        decoded while it sent go out together. Once decoding has ended, the engine's stream is closed and the
+        engine released at once, though the sender may still be writing to a client that reads slowly: such a
+        client costs its own decoding, as a JSON answer does, and never holds the engine for others.
 
         With stop strings, each round's text is assembled and rendered on the engine thread as it is decoded, so
         that decoding stops at the round that completes one; until this ends, only the engine thread touches the
@@ -177,19 +179,25 @@ class Generation:
         interval = self.service.settings.stream_interval
         if self.completion.has_stop_strings:
             def rendered():
-                while (kept := self.step()) is not None:
-                    yield _joined(render(kept))
+                try:
+                    while (kept := self.step()) is not None:
+                        yield _joined(render(kept))
+                finally:
+                    self._close_stream()
 
-            return self.service.engine.ahead(rendered(), READ_AHEAD, interval, most=READ_AHEAD_MOST)
+            return self.service.engine.ahead(rendered(), interval, on_end=self.slot.release)
         return self._rendered_by_sender(render, interval, render_texts)
 
     def _rendered_by_sender(self, render, interval: float, render_texts) -> Iterator[str]:
         def decoded():  # on the engine thread: (the round's chunk, whether it is the last)
             clock, deadline = time.perf_counter, self.deadline
-            while not self.done and (chunk := self._next_chunk()) is not None:
-                if clock() > deadline:
-                    self._over_time(chunk)
-                yield chunk, self.done or self._finished_by(chunk)
+            try:
+                while not self.done and (chunk := self._next_chunk()) is not None:
+                    if clock() > deadline:
+                        self._over_time(chunk)
+                    yield chunk, self.done or self._finished_by(chunk)
+            finally:
+                self._close_stream()
 
         def rendered(items: list) -> str:  # on the greenlet: the rounds it takes at once
             if render_texts is not None:
@@ -202,7 +210,7 @@ class Generation:
                 events.append(_joined(render(self._feed(chunk))))
             return "".join(events)
 
-        yield from self.service.engine.ahead(decoded(), READ_AHEAD, interval, rendered, READ_AHEAD_MOST)
+        yield from self.service.engine.ahead(decoded(), interval, rendered, on_end=self.slot.release)
         self.completion.finish()  # decoding has ended (not reached when the client has gone)
 
     def finish_reason(self) -> str | None:

@@ -217,6 +217,11 @@ def read_json_object(request, max_bytes: int, timeout: float | None = None) -> d
             data = request.get_data(cache=False)  # a chunked body (no Content-Length) is read up to max_bytes + 1
     except TimeLimitExceeded:
         raise ApiError(408, "body_timeout", f"the request body did not arrive within {timeout:g} s") from None
+    except Exception as error:  # noqa: BLE001 - a body the server cannot parse (a bad chunk), else re-raised
+        if not _unparsable_body(error):
+            raise
+        raise ApiError(400, "bad_request", f"the request body cannot be read: {type(error).__name__} "
+                                           "(its chunked encoding is malformed)") from None
     if len(data) > max_bytes:
         raise ApiError(413, "body_too_large", f"the request body is over the limit of {max_bytes} bytes")
     try:
@@ -230,6 +235,12 @@ def read_json_object(request, max_bytes: int, timeout: float | None = None) -> d
     if not isinstance(body, dict):
         raise ApiError(400, "invalid_json", f"the body must be a JSON object, got {_json_type(body)}")
     return body
+
+
+def _unparsable_body(error: Exception) -> bool:
+    """Whether reading a body failed on the body itself: gunicorn's parse errors (an invalid chunk size, a
+    chunk longer than it said), not a fault of the service's."""
+    return any(cls.__module__ == "gunicorn.http.errors" for cls in type(error).__mro__)
 
 
 class HugeInteger:

@@ -74,6 +74,14 @@ def fim_token_ids(tokenizer) -> tuple[int, int, int] | None:
     return None
 
 
+def longest_token(tokenizer) -> int:
+    """The most characters one token's spelling has (its vocabulary string: byte-level BPE's one character a byte,
+    SentencePiece's ▁ for a space, an added token's whole text). No token covers more of a text than that, so a
+    text over `n` times this many characters tokenizes to more than `n` tokens, known without tokenizing it."""
+    spellings = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max((len(spelling) for spelling in spellings if spelling), default=1)
+
+
 def encode_infill(tokenizer, prefix: str | list[int], suffix: str) -> list[int]:
     """Token ids of a fill-in-the-middle prompt in prefix-suffix-middle order: <prefix> prefix <suffix> suffix
     <middle>, the model then writing what goes between (the prefix as text, or as token ids). SpecDecError naming

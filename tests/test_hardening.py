@@ -314,3 +314,29 @@ def test_the_container_runs_as_a_non_root_user():
     assert users and last_user < cmd
     user = users[-1].split(":")[0]
     assert user not in ("root", "0") and (not user.isdigit() or int(user) >= 1000)
+
+
+def test_a_prompt_too_long_by_its_characters_alone_is_refused_before_it_is_tokenized(pair):
+    """Tokenizing a megabyte of text held the event loop for seconds (every stream and /healthz with it), only to
+    refuse the prompt: a text with more characters than max_prompt_tokens tokens can spell is refused unread."""
+    app = make_app(pair, max_prompt_tokens=50)
+    client, service = app.test_client(), app.extensions["specdec"]
+    service.wait_until_loaded(60)
+    longest = service.models.longest_token
+    assert longest >= max(len(t) for t in service.tokenizer.convert_ids_to_tokens(list(range(len(service.tokenizer)))))
+    tokenized = []
+    tokenize = service.tokenize
+    service.tokenize = lambda *args, **kwargs: tokenized.append(1) or tokenize(*args, **kwargs)
+    over = "a" * (50 * longest + 1)
+    for path, body in (("/predict", {"prompt": over}),
+                       ("/v1/completions", {"model": "target", "prompt": over}),
+                       ("/v1/chat/completions", {"model": "target",
+                                                 "messages": [{"role": "user", "content": over[:-60]},
+                                                              {"role": "user", "content": "b" * 60}]})):
+        answer = client.post(path, json=body)
+        assert answer.status_code in (400, 422), answer.get_json()
+        assert "characters" in answer.get_data(as_text=True)
+    assert not tokenized
+    answer = client.post("/predict", json={"prompt": over[:-1]})  # within the bound: tokenized, then refused
+    assert answer.status_code == 422 and "tokens; the limit is 50" in answer.get_json()["error"]["message"]
+    assert tokenized

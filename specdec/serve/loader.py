@@ -18,7 +18,7 @@ from ..grammar import GrammarCompiler
 from ..kv_cache import input_device
 from ..models.startup import startup_step
 from ..prompt_cache import default_budget, memory_bytes, weights_bytes
-from ..text import concatenates, decoder_of
+from ..text import concatenates, decoder_of, longest_token
 from .concurrency import EngineThread
 from .config import Settings
 from .errors import ApiError
@@ -42,6 +42,7 @@ class ModelHost:
         self.eos_token_ids: list[int] = []
         self.grammars: GrammarCompiler | None = None  # structured outputs' compiler, for the served tokenizer
         self.special_tool_tokens = False  # <tool_call> and </tool_call> are tokens of the tokenizer
+        self.longest_token = 1  # text.longest_token(tokenizer): a bound on the characters one token covers
         self.info: dict = {}
         self.load_error: str | None = None
         self._on_ready = on_ready
@@ -100,6 +101,7 @@ class ModelHost:
                 self.grammars = grammar_compiler(tokenizer, decoder.vocab_size)
                 self.special_tool_tokens = all(tokenizer.convert_tokens_to_ids(token) not in (None, tokenizer.unk_token_id)
                                                for token in (CALL_BEGIN, CALL_END))
+            self.longest_token = longest_token(tokenizer)  # before the decoder: it makes the service ready
             self.tokenizer, self.decode_text, self.decoder = tokenizer, decoder_of(tokenizer), decoder
             self.text_concatenates = concatenates(tokenizer)
             self._on_ready(self.info["load_seconds"])

@@ -162,6 +162,7 @@ class Service:
                max_new_tokens: int = 0, field_name: str = "prompt", tools: list[dict] | None = None,
                templating: dict | None = None) -> list[int]:
         """The prompt's (or the chat messages', with the tools) token ids, checked against the length limits."""
+        self._refuse_certainly_too_long(prompt, messages, field_name)
         ids = self.tokenize(prompt, chat, messages, field_name, tools, templating)
         return self._check_length(ids, max_new_tokens, field_name)
 
@@ -194,6 +195,17 @@ class Service:
             except SpecDecError as error:
                 field = field_name if error.field == "messages" else error.field
                 raise ApiError(422, "invalid_field", error.message, field) from None
+
+    def _refuse_certainly_too_long(self, prompt: str | None, messages: list[dict] | None, field_name: str) -> None:
+        """A text with more characters than max_prompt_tokens tokens can spell (text.longest_token) is refused
+        before it is tokenized: tokenizing a megabyte of text held the event loop for seconds, only to refuse it."""
+        chars = len(prompt) if isinstance(prompt, str) else 0
+        chars += sum(len(message["content"]) for message in messages or () if isinstance(message.get("content"), str))
+        limit, longest = self.settings.max_prompt_tokens, self.models.longest_token
+        if chars > limit * longest:
+            raise ApiError(422, "prompt_too_long", f"the prompt has {chars} characters, more than its limit of "
+                                                   f"{limit} tokens can hold (a token of this model spells at most "
+                                                   f"{longest} characters)", field_name)
 
     def _check_length(self, ids: list[int], max_new_tokens: int, field_name: str) -> list[int]:
         if not ids:

@@ -939,3 +939,71 @@ def test_a_prompts_tokens_count_once_whatever_n_in_the_metrics_as_in_usage(clien
     before = metric(client, "specdec_prompt_tokens_total")
     usage = complete(client, prompt=[PROMPT, PROMPT + " again"], max_tokens=2, n=2, seed=1).get_json()["usage"]
     assert metric(client, "specdec_prompt_tokens_total") - before == usage["prompt_tokens"]
+
+
+@pytest.mark.parametrize("extra", [{"top_k": -1}, {"min_p": 0}, {"min_p": 0.0}, {"skip_special_tokens": True},
+                                   {"include_stop_str_in_output": False}])
+def test_vllms_fields_at_their_no_op_values_are_taken(client, extra):
+    """Clients tuned for vLLM send its fields at their defaults; each was refused as an unknown parameter (top_k -1,
+    vLLM's "every token", as below the bound). The answer is the one without them."""
+    plain = complete(client, max_tokens=8, seed=3, top_k=0).get_json()["choices"][0]["text"]
+    answer = complete(client, max_tokens=8, seed=3, **extra)
+    assert answer.status_code == 200, answer.get_json()
+    assert answer.get_json()["choices"][0]["text"] == plain
+
+
+@pytest.mark.parametrize("extra, param", [({"top_k": -2}, "top_k"), ({"min_p": 0.1}, "min_p"),
+                                          ({"skip_special_tokens": False}, "skip_special_tokens"),
+                                          ({"include_stop_str_in_output": True}, "include_stop_str_in_output")])
+def test_vllms_fields_at_other_values_are_refused_naming_them(client, extra, param):
+    error = complete(client, max_tokens=2, **extra).get_json()["error"]
+    assert error["param"] == param, error
+
+
+def test_stream_options_include_obfuscation_is_taken(client):
+    """The SDK 3.x's field: this server never pads its chunks, so either value changes nothing."""
+    for value in (False, True):
+        response = complete(client, max_tokens=3, stream=True, stream_options={"include_obfuscation": value,
+                                                                              "include_usage": True})
+        assert response.status_code == 200
+        assert chunks(response)[-1]["usage"]["completion_tokens"] == 3
+
+
+def test_an_assistant_message_as_openai_answers_it_is_taken_back(client):
+    """OpenAI's answers carry `annotations: []` and may hold refusal parts: a conversation saved from OpenAI and
+    replayed here was refused."""
+    for assistant in ({"role": "assistant", "content": "Hi.", "annotations": []},
+                      {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "Hi."},
+                                                        {"type": "refusal", "refusal": "No more."}]}):
+        answer = chat(client, max_tokens=2, messages=[*MESSAGES, assistant, {"role": "user", "content": "Go on."}])
+        assert answer.status_code == 200, (assistant, answer.get_json())
+    refused = chat(client, max_tokens=2, messages=[{"role": "user", "content": [{"type": "refusal",
+                                                                                  "refusal": "x"}]}])
+    assert refused.status_code == 400 and "assistant" in refused.get_json()["error"]["message"]
+
+
+def test_a_content_part_with_an_unknown_field_is_told_so(client):
+    """It was told "Input should be a valid string" (the union's first branch)."""
+    error = chat(client, max_tokens=2, messages=[{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                                               "foo": 1}]}]).get_json()["error"]
+    assert "'foo'" in error["message"] and error["param"].startswith("messages[0].content"), error
+
+
+def test_too_many_stop_strings_are_counted_once_in_the_message(client):
+    error = complete(client, max_tokens=2, stop=[f"s{i}" for i in range(17)]).get_json()["error"]
+    assert error["param"] == "stop" and error["message"].count("got") == 1, error
+
+
+def test_a_chat_answer_without_max_tokens_runs_to_the_limit_as_vllms(client):
+    """LangChain and the SDK's `parse` send no max_tokens: the server's 64 cut their answers (a structured answer
+    of 97 tokens failed with LengthFinishReasonError). A chat answer now runs to max_new_tokens_limit, cut to the
+    context; /v1/completions keeps the server's max_new_tokens (OpenAI's completions have a small default too)."""
+    service = client.application.extensions["specdec"]
+    usage = chat(client, seed=2, ignore_eos=True).get_json()["usage"]
+    context = service.decoder.context_length
+    assert usage["completion_tokens"] == min(service.settings.max_new_tokens_limit,
+                                             context - usage["prompt_tokens"])
+    assert usage["completion_tokens"] > service.settings.max_new_tokens
+    usage = complete(client, seed=2, ignore_eos=True).get_json()["usage"]
+    assert usage["completion_tokens"] == service.settings.max_new_tokens

@@ -293,3 +293,14 @@ def test_a_logit_bias_under_a_grammar_acts_within_what_the_grammar_allows(client
             reply = client.post("/predict", json={**body, "seed": seed, "logit_bias": {str(banned): -100,
                                                                                        str(z): 100}}).get_json()
             assert reply["text"] == answer, reply
+
+
+def test_a_function_without_parameters_takes_none(service_tokenizer):
+    """OpenAI: "omitting parameters defines a function with an empty parameter list". It was held to
+    {"type": "object"}, which let a named call write any keys (an audit saw `{"zzzz...&=ffff` cut at length)."""
+    tools = [Tool(type="function", function={"name": "now"})]
+    named = NamedToolChoice.model_validate({"type": "function", "function": {"name": "now"}})
+    constraint = tool_constraint(tools, named, parallel=False, special=False)
+    assert accepts(service_tokenizer, constraint, '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
+    assert not accepts(service_tokenizer, constraint, '<tool_call>\n{"name": "now", "arguments": {"a"',
+                       ending=False)

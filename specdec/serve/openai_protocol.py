@@ -106,7 +106,7 @@ def _stop_strings(value):
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise ValueError("stop must be a string or a list of strings")
     if len(stops) > MAX_STOP_STRINGS:
-        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
     if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
         raise ValueError(f"each stop string must have 1 to {MAX_STOP_CHARS} characters")
     return value
@@ -149,15 +149,19 @@ def _token_ids(ids: list[int]) -> None:
 
 
 def _text_content(value):
-    """A message's `content`: a string, or a list of {"type": "text", "text"} parts (or null)."""
+    """A message's `content`: a string, or a list of {"type": "text", "text"} parts (an assistant's may hold
+    {"type": "refusal", "refusal"} parts too, as OpenAI's answers do), or null."""
     if value is None:
         return value
     if isinstance(value, list):
-        for part in value:
+        for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind != "text":
+            if kind not in ("text", "refusal"):
                 raise ValueError(f"only text content parts are supported, not {kind!r}" if kind
                                  else 'each content part must be an object {"type": "text", "text": ...}')
+            if unknown := sorted(set(part) - {"type", kind}):  # named here: the union's error would not say it
+                raise ValueError(f"content[{i}] has an unknown field {unknown[0]!r} (a {kind} part holds type and "
+                                 f"{kind})")
     elif not isinstance(value, str):
         raise ValueError("content must be a string or a list of text parts")
     return value
@@ -179,6 +183,8 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool | None = Field(None, description="send a last chunk with empty choices and the usage")
+    include_obfuscation: bool | None = Field(None, description="accepted: this server never pads chunks (OpenAI's "
+                                                               "obfuscation field is not sent)")
 
 
 class TextPart(BaseModel):
@@ -186,6 +192,19 @@ class TextPart(BaseModel):
 
     type: Literal["text"]
     text: Text
+
+
+class RefusalPart(BaseModel):
+    """An assistant's refusal, as a content part (OpenAI's answers sent back): its text stands for the part."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["refusal"]
+    refusal: Text
+
+    @property
+    def text(self) -> str:
+        return self.refusal
 
 
 class ChatMessage(BaseModel):
@@ -196,7 +215,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="developer is OpenAI's newer name for system, and goes to the template as system")
-    content: Annotated[Text | list[TextPart] | None, BeforeValidator(_text_content)] = Field(
+    content: Annotated[Text | list[TextPart | RefusalPart] | None, BeforeValidator(_text_content)] = Field(
         None, description="a string, or text parts (joined with newlines); null for an assistant's tool calls")
     tool_calls: list[ToolCall] | None = Field(None, description="an assistant's calls")
     tool_call_id: str | None = Field(None, description="a tool message: the call it answers")
@@ -206,9 +225,17 @@ class ChatMessage(BaseModel):
     # back): a refusal's text stands for the content where there is none; the others must be null
     refusal: Text | None = Field(None, description="an assistant's refusal, as answers carry it: its text where "
                                                    "content is null")
-    annotations: None = Field(None, description="accepted as null (an answer's message holds it)")
+    annotations: list[dict] | None = Field(None, description="accepted and left out of the prompt (an answer's "
+                                                             "message holds it: citations)")
     audio: None = Field(None, description="accepted as null (an answer's message holds it)")
     function_call: None = Field(None, description="accepted as null (the deprecated form of tool_calls)")
+
+    @model_validator(mode="after")
+    def _refusals_are_the_assistants(self):
+        if self.role != "assistant" and isinstance(self.content, list) and any(
+                isinstance(part, RefusalPart) for part in self.content):
+            raise PydanticCustomError("invalid_value", "only an assistant's content may hold refusal parts")
+        return self
 
     def text(self) -> str:
         if self.content is None:
@@ -259,7 +286,13 @@ class _Request(BaseModel):
     stop_token_ids: StopTokenIds = None  # an extension, as vLLM's
     min_tokens: int | None = Field(None, ge=0, description="extension (vLLM's): " + MIN_TOKENS_DESCRIPTION)
     # extensions, as in /predict
-    top_k: int | None = Field(None, ge=0, description="extension: 0 keeps every token")
+    top_k: int | None = Field(None, ge=-1, description="extension: 0 (or -1, vLLM's way) keeps every token")
+    # vLLM's, at the values that change nothing here (clients tuned for vLLM send them as they are)
+    min_p: _no_op_only({"type": "number", "enum": [0]}, (0, 0.0), "only 0 is supported (no min-p cut)") = None
+    skip_special_tokens: _no_op_only({"type": "boolean", "enum": [True]}, (True,),
+                                     "only true is supported: completions leave special tokens out") = None
+    include_stop_str_in_output: _no_op_only({"type": "boolean", "enum": [False]}, (False,),
+                                            "only false is supported: the stop string is not returned") = None
     gamma: int | None = Field(None, ge=1, description="extension: draft tokens proposed per round")
     method: Literal[SERVED_METHODS] | None = Field(None, description="extension: the decoding method")
     drafter: Literal[DRAFTERS] | None = Field(None, description="extension: " + DRAFTER_DESCRIPTION)
@@ -309,8 +342,12 @@ class _Request(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def sampling_fields(self) -> dict:
-        """Every SamplingParams field this request has, by the same name (as /predict reads them)."""
-        return {name: getattr(self, name, None) for name in SamplingParams.field_names()}
+        """Every SamplingParams field this request has, by the same name (as /predict reads them); vLLM's top_k -1
+        is 0, every token kept."""
+        fields = {name: getattr(self, name, None) for name in SamplingParams.field_names()}
+        if fields.get("top_k") == -1:
+            fields["top_k"] = 0
+        return fields
 
     @property
     def include_usage(self) -> bool:

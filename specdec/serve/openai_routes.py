@@ -154,6 +154,8 @@ def answer(svc, req, prompts: list[list[int]], sampling, prompt_field: str, chat
     """Fit each completion into the context, start decoding, answer as JSON or as a stream: n choices for each
     prompt (req.n), choice j of a prompt with the j-th seed derived from the request's (params.choice_seed)."""
     n = req.n or 1
+    if chat and req.requested_max_tokens is None:  # as vLLM: a chat answer may run to its end, within the limits
+        sampling = sampling.replace(max_new_tokens=svc.settings.max_new_tokens_limit)
     samplings = [sampling.replace(max_new_tokens=room(svc, ids, sampling.max_new_tokens,
                                                       req.requested_max_tokens is not None, req.max_tokens_field,
                                                       prompt_field), seed=choice_seed(sampling.seed, j))

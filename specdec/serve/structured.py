@@ -170,8 +170,13 @@ def check_tools(tools: list[Tool] | None, tool_choice) -> None:
                                   {"param": "tool_choice"})
 
 
+# a function defined without `parameters` takes none (OpenAI: "omitting parameters defines a function with an empty
+# parameter list"): its arguments are {}
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
 def _call_schema(function: FunctionDefinition) -> dict:
-    return function.parameters if function.parameters is not None else {"type": "object"}
+    return function.parameters if function.parameters is not None else NO_PARAMETERS
 
 
 def _compact(schema: dict) -> dict:

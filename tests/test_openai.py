@@ -800,7 +800,7 @@ def test_overload_is_503_with_retry_after(pair):
 
 def test_one_log_line_per_request(client, caplog):
     with caplog.at_level(logging.INFO, logger="specdec.serve"):
-        chat(client, max_tokens=5, headers={"X-Request-ID": "v1-log-1"})
+        chat(client, max_tokens=5, ignore_eos=True, headers={"X-Request-ID": "v1-log-1"})  # no early <eos>
         client.post("/v1/chat/completions", json={"model": "target", "messages": MESSAGES, "best_of": 2},
                     headers={"X-Request-ID": "v1-log-2"})
     (ok,) = [r.getMessage() for r in caplog.records if "request_id=v1-log-1 " in r.getMessage()]

@@ -13,6 +13,7 @@ from specdec.serve.structured import (
     NamedToolChoice,
     Tool,
     ToolCallReader,
+    content_of,
     parse_tool_calls,
     template_messages,
     tool_constraint,
@@ -103,7 +104,7 @@ def test_a_last_call_cut_before_its_arguments_is_not_given_as_text(cut):
     content, calls = parse_tool_calls("Here.\n" + whole + cut)
     assert content == "Here." and [json.loads(c.function.arguments) for c in calls] == [{"x": 1}]
     assert parse_tool_calls(whole + cut)[0] is None
-    assert parse_tool_calls(cut) == (cut, [])  # nothing parses: the text as the model wrote it
+    assert parse_tool_calls(cut) == (None, [])  # a call's markup is never content (it was, where nothing parsed)
 
 
 @pytest.mark.parametrize("cut, arguments", [('{"x": 2', '{"x": 2'), ('{"x": "}{"}', '{"x": "}{"}'),
@@ -194,8 +195,7 @@ def test_a_tool_call_cut_by_max_tokens_streams_as_it_answers_whole(client):
         assert [calls[i] for i in sorted(calls)] == expected, max_tokens
         assert (content or None) == whole["message"]["content"], max_tokens
         assert deltas[-1]["finish_reason"] == whole["finish_reason"] == "length", max_tokens
-        if expected:  # a call's markup is not content (a cut before any call's name is kept as text, whole too)
-            assert "<tool_call" not in content and "</tool" not in content, max_tokens
+        assert "<tool_call" not in content and "</tool" not in content, max_tokens  # markup is never content
 
 
 @pytest.mark.parametrize("choice, more", [("required", True), ({"type": "function", "function": {"name": "add"}}, False)])
@@ -304,3 +304,56 @@ def test_a_function_without_parameters_takes_none(service_tokenizer):
     assert accepts(service_tokenizer, constraint, '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>')
     assert not accepts(service_tokenizer, constraint, '<tool_call>\n{"name": "now", "arguments": {"a"',
                        ending=False)
+
+
+GROWING = [
+    'Sure.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\nDone.  ',
+    '  Hello <tool world <tool_cal',
+    'A <tool_call>\n{"name": "f", "arguments": {"x"',
+    '<tool_call>\n{"name": "f", "argu',
+    'no calls at all\n',
+    '<tool_call>\n{broken\n</tool_call> after',
+    'x\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n<tool_call>\n{"name": "g", "arguments": {}}\n'
+    '</tool_call>',
+]
+
+
+@pytest.mark.parametrize("text", GROWING)
+def test_the_content_streamed_as_the_text_grows_is_always_the_beginning_of_the_answers(text):
+    """Under tools a stream held all content to the end (an agent's answer came in one piece, after it was all
+    decoded). `content_of(text, final=False)` is what may be sent while the text grows: never markup, never a
+    tail that may still start a call's tag or be whitespace before one; so each is the beginning of the next and
+    of the answer's content (parse_tool_calls', the same function with final=True)."""
+    answer = parse_tool_calls(text)[0] or ""
+    assert answer == (content_of(text) or "")
+    sent = ""
+    for end in range(len(text) + 1):
+        now = content_of(text[:end], final=False) or ""
+        assert now.startswith(sent) and answer.startswith(now), (text[:end], now)
+        assert "<tool_call" not in now or "{broken" in now, now
+        sent = now
+
+
+def test_text_before_a_call_is_sent_before_the_call_ends_and_a_cut_calls_markup_is_never_content():
+    text = GROWING[0]
+    assert content_of(text[:text.index("<tool_call>") + 3], final=False) == "Sure."
+    assert content_of(text[:text.index("</tool_call>")], final=False) == "Sure."
+    assert parse_tool_calls(text)[0] == "Sure.\n\nDone."
+    for cut in ("<tool_call>", '<tool_call>\n{"name": "f", "argu'):  # was the markup itself, as content
+        assert parse_tool_calls(cut)[0] is None and parse_tool_calls("Hi " + cut)[0] == "Hi"
+
+
+def test_under_tools_auto_a_stream_sends_its_content_as_it_is_decoded(client):
+    """The same request streamed and whole: the content deltas join to the whole answer's content, and come in
+    several chunks before the last (they came all in the last)."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"model": "target", "messages": [{"role": "user", "content": "hi"}], "tools": [tool], "seed": 5,
+            "max_tokens": 40}
+    whole = client.post("/v1/chat/completions", json=body).get_json()["choices"][0]
+    response = client.post("/v1/chat/completions", json={**body, "stream": True})
+    deltas = [json.loads(line.removeprefix("data: "))["choices"][0] for line in
+              response.get_data(as_text=True).splitlines() if line.startswith("data: {")]
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    assert whole["message"]["content"] and content == whole["message"]["content"]
+    assert not whole["message"].get("tool_calls")  # the random model writes text
+    assert sum(1 for d in deltas[:-1] if d["delta"].get("content")) >= 2

@@ -43,7 +43,7 @@ from .openai_protocol import (
     parse,
 )
 from .protocol import read_json_object
-from .structured import ToolCallReader, parse_tool_calls
+from .structured import ToolCallReader, content_of, parse_tool_calls
 
 openai_routes = Blueprint("openai", __name__, url_prefix="/v1")
 DONE = "data: [DONE]\n\n"
@@ -425,14 +425,18 @@ class Reply:
         text, entries = choices.echo(index), []  # not sent yet: the round that ended decoding goes with finish
         first = True
         reader, streamed = ToolCallReader(), {}  # with tools: the calls so far, and each one's arguments sent
+        said = ""  # with tools: the content sent so far (content_of the text so far)
 
         def render(kept):  # a round's chunks, on the engine thread (Generation.rounds)
-            nonlocal text, entries, first
+            nonlocal text, entries, first, said
             if first:
                 entries += self._prompt_entries(choices, index, generation)
                 first = False
             text += completion.take()
-            if self.tools:  # text is held to the end (calls taken out of it); calls go out as they are decoded
+            if self.tools:  # the text outside the calls as it grows (content_of), the calls as they are decoded
+                if len(now := content_of(text, final=False) or "") > len(said):
+                    yield self._chunk(now[len(said):], index)
+                    said = now
                 yield from self._call_deltas(reader.read(text), streamed, index)
                 return
             entries += self._entries(choices, index, generation, completion.take_tokens())
@@ -455,7 +459,7 @@ class Reply:
         text += completion.take()
         entries += self._entries(choices, index, generation, completion.take_tokens())
         stats = SpeculativeDecodingStats.of(generation.stats())
-        if self.tools:  # the text was held back: the calls in it, then whatever text is left
+        if self.tools:  # the calls in the text, then the content not sent yet
             content, calls = parse_tool_calls(text)
             yield from self._call_deltas(reader.read(text), streamed, index)
             for i, call in enumerate(calls):  # what the reader could not stream: the rest of each call
@@ -465,7 +469,8 @@ class Reply:
                 if call.function.arguments != sent and call.function.arguments.startswith(sent):
                     yield from self._call_deltas([(i, None, None, call.function.arguments[len(sent):])], streamed,
                                                  index)
-            yield self._chunk(content if content or not calls else None, index, finish_reason(generation, bool(calls)),
-                              stats, logprobs=self._logprobs(choices.svc, entries))
+            rest = content[len(said):] if content and content.startswith(said) else None
+            yield self._chunk(rest if rest or not (calls or said) else None, index,
+                              finish_reason(generation, bool(calls)), stats, logprobs=self._logprobs(choices.svc, entries))
             return
         yield self._chunk(text, index, finish_reason(generation), stats, logprobs=self._logprobs(choices.svc, entries))

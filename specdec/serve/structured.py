@@ -225,13 +225,11 @@ def tool_constraint(tools: list[Tool], tool_choice, parallel: bool, special: boo
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """(the text outside the calls, or None if there is none; the calls) of a completion. A call's arguments are
-    the model's own JSON text where they are an object after the name (as `ToolCallReader` streams them), else
+    """(the text outside the calls, `content_of(text)`; the calls) of a completion. A call's arguments are the
+    model's own JSON text where they are an object after the name (as `ToolCallReader` streams them), else
     re-serialized. A last call left unfinished (max_tokens, or the time limit) is a call too once its name is
     complete and its arguments have begun, with its arguments as far as they were decoded: what `ToolCallReader`
-    has streamed of it, so that a stream and the same request answered whole agree. Its markup is not given as
-    text, nor is that of a last call cut before its name after whole ones; where no call parses, the text is kept
-    whole."""
+    has streamed of it, so that a stream and the same request answered whole agree. Its markup is never text."""
     calls, rest = [], 0  # rest: where the text after the last whole call begins
     for match in CALL.finditer(text):
         rest = match.end()
@@ -250,10 +248,29 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     unfinished = tail >= 0 and CALL_END not in text[tail:]
     if unfinished and (call := _unfinished_call(text[tail + len(CALL_BEGIN):])) is not None:
         calls.append(call)
-    if not calls:
-        return text or None, calls
-    content = CALL.sub("", text[:tail] if unfinished else text).strip()
-    return content or None, calls
+    return content_of(text), calls
+
+
+def content_of(text: str, final: bool = True) -> str | None:
+    """The text outside the tool calls of a completion (an answer's `content`), or None if there is none: the
+    calls taken out, and a last call left unfinished (its closing tag not decoded) with its markup, without the
+    whitespace around what is left. While the text still grows (`final` False), also without a tail that may yet
+    become a call's opening tag, or whitespace before one: so what a stream has sent of it is always the
+    beginning of what it is once the text is whole (tests/test_structured_service.py), and a stream sends the
+    content as it is decoded."""
+    closed = text.rfind(CALL_END)
+    tail = text.find(CALL_BEGIN, 0 if closed < 0 else closed + len(CALL_END))
+    if tail >= 0:  # a call begun and not ended
+        text = text[:tail]
+    elif not final:  # "<tool_c": maybe the beginning of a call
+        text = text[:len(text) - _tag_begun(text)]
+    outside = CALL.sub("", text).lstrip()
+    return outside.rstrip() or None
+
+
+def _tag_begun(text: str) -> int:
+    """The length of the longest end of `text` that begins CALL_BEGIN (0: none)."""
+    return next((n for n in range(min(len(CALL_BEGIN) - 1, len(text)), 0, -1) if CALL_BEGIN.startswith(text[-n:])), 0)
 
 
 def _unfinished_call(body: str) -> ToolCall | None:

@@ -69,8 +69,9 @@ SEED_DESCRIPTION = ("the same seed and request give the same completion (with ca
 CACHE_PROMPT_DESCRIPTION = ("start from the prompt cache (reuse what an earlier request shared with this prompt) and "
                             "leave this request's caches in it; false: neither. Outputs follow the target's "
                             "distribution either way, but reused keys and values were computed in other forwards, "
-                            "so logits may differ in their last bits: for a seed or logprobs reproducible to the "
-                            "bit whatever the cache holds, send false")
+                            "so logits may differ in their last bits (an int8 draft's by more: a seeded sample "
+                            "then often differs): for a seed or logprobs reproducible to the bit whatever the "
+                            "cache holds, send false")
 LOGPROBS_DESCRIPTION = ("the target's log-probability of each token (log-softmax of its raw logits, before "
                         "temperature, top-k and top-p), with this many most likely alternatives")
 LOGIT_BIAS_DESCRIPTION = (f"{{token id: bias}} (ids as strings of digits, biases from {-MAX_LOGIT_BIAS:g} to "

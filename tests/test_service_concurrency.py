@@ -205,6 +205,14 @@ GEVENT_SCRIPT = textwrap.dedent("""
     gevent.sleep(1.0)  # the 20 items take 0.2 s
     ended_while_busy = list(ended)
     rest = "".join(batches)
+    taken_with_end = []  # the consumer takes the end with the last batch before its wake-up is delivered
+    batches = engine.ahead(iter(["<a>", "<b>"]), 0.0, on_end=lambda: taken_with_end.append(True))
+    from gevent.monkey import get_original
+    get_original("time", "sleep")(0.1)  # not gevent's: the loop does not run, so the engine thread's wake-up waits
+    last = next(batches)  # both items and the end taken at once
+    gevent.sleep(0.3)  # busy (a write to a slow client): the end is reported meanwhile
+    reported_while_writing = list(taken_with_end)
+    assert list(batches) == []
     loaded = threading.Event()
     engine.submit(lambda: (time.sleep(0.2), loaded.set()))  # set from the engine thread, awaited on the loop
     woke = loaded.wait(5)
@@ -238,7 +246,8 @@ GEVENT_SCRIPT = textwrap.dedent("""
                       "loop_thread": threading.get_native_id(), "ticks": len(gaps), "max_gap": max(gaps),
                       "woke": woke, "interrupted_after": interrupted, "overlaps": overlaps,
                       "pool_ended": pool_ended, "ahead": ahead, "ahead_ticks": ahead_ticks,
-                      "ended_while_busy": ended_while_busy, "ended": ended, "rest": rest}))
+                      "ended_while_busy": ended_while_busy, "ended": ended, "rest": rest, "last": last,
+                      "reported_while_writing": reported_while_writing, "taken_with_end": taken_with_end}))
 """)
 
 
@@ -255,6 +264,7 @@ def test_under_gevent_the_loop_runs_while_the_engine_thread_computes():
     # its end reported on the loop's thread, in a greenlet, while the consumer was busy, and once
     assert result["ended_while_busy"] == result["ended"] == [[result["loop_thread"], True]], result
     assert result["rest"].endswith("<19>")
+    assert result["last"] == "<a><b>" and result["reported_while_writing"] == result["taken_with_end"] == [True]
     assert result["interrupted_after"] is not None and 0.25 < result["interrupted_after"] < 2, result
 
 

@@ -136,7 +136,8 @@ class _Outbox:
         self.interval = interval
         self._items: deque = deque()  # strings, then an _End
         self._waiting = False  # the caller waits: the next item wakes it
-        self._on_end = on_end  # run on the caller's side once, when the _End is put
+        self._on_end = on_end  # run on the caller's side once, when the work has ended (`_report_end`)
+        self._ended = False  # the engine thread has put the _End
         self.cancelled = False  # set by the caller: the engine thread stops before its next item
         if gevent_patched():
             import gevent
@@ -153,11 +154,16 @@ class _Outbox:
 
     def _woken(self) -> None:
         """Under gevent, on the caller's loop: the caller may go on; at the end, `on_end` (in a greenlet: it
-        may wait, the loop may not)."""
+        may wait, the loop may not), whatever the caller is doing then (writing to a slow client, say)."""
         self._ready.set()
-        if self._on_end is not None and self._items and isinstance(self._items[-1], _End):
-            on_end, self._on_end = self._on_end, None
-            self._spawn(on_end)
+        if self._ended:
+            self._report_end(self._spawn)
+
+    def _report_end(self, run: Callable) -> None:
+        """`run(on_end)` if it has not run yet (the caller may have taken the end before its wake-up came)."""
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            run(on_end)
 
     def fill(self, items: Iterator[str]) -> None:
         """On the engine thread: compute the items one after another, end with the marker."""
@@ -173,10 +179,10 @@ class _Outbox:
                 items.close()  # a generator stopped early runs its own clean-up here, on the engine thread
         except BaseException as error:  # noqa: BLE001 - raised in the caller
             ending = _End(error)
+        self._ended = True  # before the _End: a caller that takes it finds the work ended
         self._put(ending)
-        if self._watcher is None and self._on_end is not None:  # threads: the callback is the engine thread's
-            on_end, self._on_end = self._on_end, None
-            on_end()
+        if self._watcher is None:  # threads: the callback is the engine thread's
+            self._report_end(lambda on_end: on_end())
 
     def _put(self, item) -> None:
         self._items.append(item)
@@ -233,7 +239,8 @@ class _Outbox:
                         break
                     self._await(IDLE_TURN_SECONDS)
             if self._watcher is not None:
-                self._watcher.stop()
+                self._watcher.stop()  # a wake-up not yet delivered is dropped: the end is reported here then
+                self._report_end(lambda on_end: on_end())
 
 
 class _End:

@@ -211,3 +211,60 @@ def test_one_warning_when_reachable_beyond_this_host_without_keys(pair, keys_fil
     assert len(warnings) == int(warned)
     if warned:
         assert host in warnings[0].getMessage() and "without API keys" in warnings[0].getMessage()
+
+
+# --- CORS (cors_allow_origins) -----------------------------------------------------------------------------------
+
+UI = "https://ui.example.com"
+PREFLIGHT = {"Origin": UI, "Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+@pytest.fixture(scope="module")
+def cors_app(pair, keys_file):
+    return make_app(pair, api_keys_file=str(keys_file), cors_allow_origins=f"{UI}, http://localhost:3000/")
+
+
+def test_a_browser_page_of_an_allowed_origin_may_call_the_api_with_its_key(cors_app):
+    """A browser client (a web UI, openai-node in a page) first asks with a preflight, which carries no key: it is
+    answered without one; the request itself still needs its key, and its answers (errors too) carry the headers
+    that let the page read them."""
+    client = cors_app.test_client()
+    for path in ("/predict", "/v1/chat/completions"):
+        preflight = client.options(path, headers=PREFLIGHT)
+        assert preflight.status_code == 200, preflight.get_data(as_text=True)
+        assert preflight.headers["Access-Control-Allow-Origin"] == UI
+        assert "POST" in preflight.headers["Access-Control-Allow-Methods"]
+        assert "authorization" in preflight.headers["Access-Control-Allow-Headers"].lower()
+    answer = client.post("/predict", json=BODY, headers={"Origin": UI, **bearer(KEYS[0])})
+    assert answer.status_code == 200 and answer.headers["Access-Control-Allow-Origin"] == UI
+    assert "X-Request-ID" in answer.headers["Access-Control-Expose-Headers"]
+    refused = client.post("/predict", json=BODY, headers={"Origin": UI})
+    assert refused.status_code == 401 and refused.headers["Access-Control-Allow-Origin"] == UI
+    local = client.post("/predict", json=BODY, headers={"Origin": "http://localhost:3000", **bearer(KEYS[1])})
+    assert local.headers["Access-Control-Allow-Origin"] == "http://localhost:3000"  # the trailing slash left out
+
+
+def test_other_origins_and_a_server_without_cors_get_no_cors_headers(cors_app, app):
+    client = cors_app.test_client()
+    other = client.post("/predict", json=BODY, headers={"Origin": "https://evil.example.com", **bearer(KEYS[0])})
+    assert "Access-Control-Allow-Origin" not in other.headers
+    assert client.options("/predict", headers={**PREFLIGHT, "Origin": "https://evil.example.com"}).headers.get(
+        "Access-Control-Allow-Origin") is None
+    plain = app.test_client()  # cors_allow_origins unset (the default): no headers, and OPTIONS needs the key
+    assert "Access-Control-Allow-Origin" not in plain.post("/predict", json=BODY,
+                                                           headers={"Origin": UI, **bearer(KEYS[0])}).headers
+    assert plain.options("/predict", headers=PREFLIGHT).status_code == 401
+
+
+def test_any_origin_with_a_star(pair):
+    client = make_app(pair, cors_allow_origins="*").test_client()
+    answer = client.post("/predict", json=BODY, headers={"Origin": "https://anywhere.example"})
+    assert answer.headers["Access-Control-Allow-Origin"] == "https://anywhere.example"  # reflected, with Vary
+    assert "Origin" in answer.headers["Vary"]
+
+
+@pytest.mark.parametrize("bad", ["ui.example.com", "https://ui.example.com/app", "ftp://x", "https://a b"])
+def test_a_bad_origin_stops_start_up_naming_the_setting(bad):
+    with pytest.raises(ConfigError, match="cors_allow_origins"):
+        load_settings({"cors_allow_origins": bad})

@@ -11,9 +11,10 @@ import uuid
 from collections.abc import Mapping
 
 from flask import Flask, g, jsonify, request
+from flask_cors import CORS
 
 from . import auth
-from .config import load_settings
+from .config import cors_origins, load_settings
 from .errors import to_api_error
 from .openai_protocol import is_openai_path, openai_error
 from .openai_routes import openai_routes
@@ -43,6 +44,8 @@ def create_app(config: Mapping | None = None) -> Flask:
         g.record = RequestRecord(sent if REQUEST_ID.fullmatch(sent) else uuid.uuid4().hex)
 
     auth.install(app, settings)  # after start_record: a refused request is logged like any other
+    if origins := cors_origins(settings.cors_allow_origins):  # browser pages of these origins may call the API
+        CORS(app, origins=origins, expose_headers=["X-Request-ID", "Retry-After"], max_age=600)
 
     @app.after_request
     def finish_record(response):

@@ -1,6 +1,7 @@
 """Optional API keys: with `api_keys_file` set, every route but the open ones needs `Authorization: Bearer <key>`.
 
-Open: /healthz and /readyz (probes), /openapi.json (the API's description), and /metrics with `metrics_public`.
+Open: /healthz and /readyz (probes), /openapi.json (the API's description), /metrics with `metrics_public`, and a
+browser's CORS preflight (OPTIONS) where `cors_allow_origins` is set.
 Everything else, /predict and any /v1/ route included, is checked by one before_request hook that raises the
 service's ApiError (401, with `WWW-Authenticate`), so each route family's error handler answers in its own shape.
 Keys are compared in constant time, as SHA-256 digests against every key; no key is ever logged or echoed.
@@ -13,7 +14,7 @@ import logging
 
 from flask import Flask, request
 
-from .config import Settings, read_api_keys
+from .config import Settings, cors_origins, read_api_keys
 from .errors import ApiError
 
 logger = logging.getLogger(__name__)
@@ -47,11 +48,14 @@ def install(app: Flask, settings: Settings) -> None:
         return
     keys = ApiKeys(read_api_keys(settings.api_keys_file))
     open_paths = OPEN_PATHS | ({"/metrics"} if settings.metrics_public else set())
+    cors = bool(cors_origins(settings.cors_allow_origins))
 
     @app.before_request
     def require_api_key():
         if request.path in open_paths:
             return
+        if cors and request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+            return  # a browser's CORS preflight never carries the key; the request it asks about must
         scheme, _, sent = request.headers.get("Authorization", "").partition(" ")
         sent = sent.strip()
         if scheme.lower() != "bearer" or not sent:

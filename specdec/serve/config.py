@@ -27,6 +27,7 @@ CONFIG_ENV = "SPECDEC_CONFIG"
 logger = logging.getLogger(__name__)
 ADAPTIVE = "adaptive"
 NONE = ("none", "null")  # besides "auto" or "adaptive", the words for a setting's automatic value
+ORIGIN = re.compile(r"https?://[^/\s,:]+(:\d{1,5})?")  # a web origin, as a browser sends it in Origin
 # draft_confidence_threshold "auto" for the default pair (measured, bench/README.md "Draft-confidence stop"); other
 # pairs, and pairs a custom loader gives, keep 0 (the draft always drafts gamma tokens)
 DEFAULT_PAIR_CONFIDENCE_THRESHOLD = 0.6
@@ -85,6 +86,8 @@ class Settings(BaseModel):
     # a file of API keys, one a line ("" = none: no key needed); checked here, read again by auth.py
     api_keys_file: str
     metrics_public: bool
+    # origins whose browser pages may call the API (CORS), comma-separated, or "*" for any; "" = none (no CORS)
+    cors_allow_origins: str
     log_level: Literal["debug", "info", "warning", "error"]
     # loader(settings) -> (draft, target, tokenizer); None: specdec.load_pair with the model settings.
     # A "package.module:function" string is imported here, so a bad path fails at start-up.
@@ -138,6 +141,15 @@ class Settings(BaseModel):
         if isinstance(value, bool):  # compile = true in a TOML file
             return "true" if value else "false"
         return value.strip().lower() if isinstance(value, str) else value
+
+    @field_validator("cors_allow_origins")
+    @classmethod
+    def _origins(cls, value: str) -> str:
+        for origin in cors_origins(value):
+            if origin != "*" and not ORIGIN.fullmatch(origin):
+                raise ValueError(f"{origin!r} is not an origin: write scheme://host[:port] (no path), or * for any; "
+                                 "several, comma-separated")
+        return value
 
     @field_validator("api_keys_file")
     @classmethod
@@ -214,6 +226,11 @@ def _integral(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def cors_origins(value: str) -> list[str]:
+    """`cors_allow_origins` as a list: the comma-separated origins, a trailing slash left out; [] when unset."""
+    return [origin.strip().rstrip("/") for origin in value.split(",") if origin.strip()]
 
 
 def read_api_keys(path: str) -> tuple[str, ...]:

@@ -5,6 +5,7 @@ live gunicorn is in test_openai_gunicorn.py."""
 
 import json
 import logging
+import time
 
 import pytest
 import torch
@@ -1007,3 +1008,29 @@ def test_a_chat_answer_without_max_tokens_runs_to_the_limit_as_vllms(client):
     assert usage["completion_tokens"] > service.settings.max_new_tokens
     usage = complete(client, seed=2, ignore_eos=True).get_json()["usage"]
     assert usage["completion_tokens"] == service.settings.max_new_tokens
+
+
+def test_a_stream_of_several_choices_frees_the_engine_once_all_are_decoded_though_unread(client):
+    """Each choice was started when its sender reached it, so a client that stopped reading an n = 3 stream held the
+    engine until it was dropped. Now each choice is decoded as soon as the one before it is, and the engine
+    released after the last, while the events wait for the client; they come whole and in order, as the same
+    request answers unstreamed."""
+    service = client.application.extensions["specdec"]
+    body = {"prompt": PROMPT, "max_tokens": 30, "n": 3, "seed": 4, "ignore_eos": True}
+    whole = complete(client, **body).get_json()
+    response = client.post("/v1/completions", json={"model": "target", **body, "stream": True})
+    events = iter(response.response)
+    first = next(events)
+    deadline = time.monotonic() + 20
+    while service.scheduler.busy:  # the client reads nothing meanwhile
+        assert time.monotonic() < deadline, "the engine is still held by a stream nobody reads"
+        time.sleep(0.01)
+    assert complete(client, max_tokens=2).status_code == 200  # served while the stream is unread
+    blocks = [b.removeprefix("data: ") for b in (first + b"".join(events)).decode().strip().split("\n\n")]
+    response.close()
+    assert blocks[-1] == "[DONE]"
+    texts = {}
+    for chunk in map(json.loads, blocks[:-1]):
+        for choice in chunk["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}

@@ -201,6 +201,33 @@ def test_a_client_that_hangs_up_on_a_json_answer_stops_its_generation(server, pa
     assert post(server, {"prompt": PROMPT, "max_new_tokens": 5}).status_code == 200  # the engine is free again
 
 
+def test_a_client_that_leaves_a_stream_of_several_choices_stops_them_all(server):
+    """Under gevent each choice of an n > 1 stream is decoded as soon as the one before it is (in a greenlet woken
+    by the engine thread): a client gone stops the choice being decoded and starts no other."""
+    generated_before = server.metric("specdec_generated_tokens_total")
+    response = requests.post(server.url + "/v1/completions", stream=True, timeout=60,
+                             headers={"X-Request-ID": "leaves-choices"},
+                             json={"model": "target", "prompt": PROMPT, "max_tokens": 200, "n": 3, "temperature": 0,
+                                   "ignore_eos": True, "stream": True})
+    lines = response.iter_lines()
+    assert next(line for line in lines if line).startswith(b"data: ")
+    response.close()
+    deadline = time.monotonic() + 20
+    while not re.search(r"request_id=leaves-choices ", server.log()):
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.05)
+    assert server.metric("specdec_generated_tokens_total") - generated_before < 200  # of 600
+    assert post(server, {"prompt": PROMPT, "max_new_tokens": 5}).status_code == 200  # the engine is free again
+    body = {"model": "target", "prompt": PROMPT, "max_tokens": 20, "n": 3, "seed": 1, "ignore_eos": True}
+    whole = requests.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    streamed = requests.post(server.url + "/v1/completions", json={**body, "stream": True}, timeout=60).text
+    texts = {}
+    for block in streamed.strip().split("\n\n")[:-1]:
+        for choice in json.loads(block.removeprefix("data: "))["choices"]:
+            texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}  # decoded ahead under gevent, in order
+
+
 def test_a_kept_alive_clients_next_request_is_not_a_hang_up(server):
     """Two requests pipelined on one connection: the second, waiting in the socket while the first decodes, is
     not taken for the client leaving; both are answered whole."""

@@ -71,7 +71,7 @@ class EngineThread:
             watcher.stop()
 
     def ahead(self, items: Iterator, interval: float = 0.0, convert: Callable[[list], str] | None = None,
-              on_end: Callable[[], None] | None = None) -> Iterator[str]:
+              on_end: Callable[[], None] | None = None, then: Callable[[], None] | None = None) -> "Batches":
         """The strings of `items` (or, with `convert`, what it makes of the items taken together, computed by the
         caller as it takes them), the items computed on the engine thread ahead of the caller, who gets them in
         order: the engine thread never waits for the caller, who takes at most one batch every `interval`
@@ -81,12 +81,13 @@ class EngineThread:
 
         `on_end()` runs on the caller's side as soon as the items have ended on the engine thread (under gevent,
         in a greenlet of the caller's loop), though the caller may still be busy with earlier ones (writing them
-        to a slow client). Closing the returned iterator (the caller stopped: a client gone) stops the work
-        before its next item and closes `items` on the engine thread, and returns once it has. An exception in
-        `items` is raised here."""
+        to a slow client). `then()` runs on the caller's side once it has taken the last string. The work starts at
+        once, whether or not the caller has begun to take. Closing the returned iterator (the caller stopped: a
+        client gone), begun or not, stops the work before its next item and closes `items` on the engine thread,
+        and returns once it has. An exception in `items` is raised here."""
         outbox = _Outbox(interval, on_end)
         self.submit(outbox.fill, items)
-        return outbox.drain(convert)
+        return Batches(outbox, convert, then)
 
     def submit(self, fn: Callable, *args) -> None:
         """Start fn(*args) on the engine thread and return at once (fn reports its own outcome)."""
@@ -126,6 +127,36 @@ class EngineThread:
             outcome = _captured(fn, args)
             if done is not None:
                 done(outcome)
+
+
+class Batches:
+    """EngineThread.ahead's strings, as the caller takes them: an iterator whose `close` stops the work whether or
+    not it was begun (a generator closed before its first item runs no clean-up of its own)."""
+
+    def __init__(self, outbox: "_Outbox", convert: Callable[[list], str] | None, then: Callable[[], None] | None):
+        self._outbox, self._then = outbox, then
+        self._drain = outbox.drain(convert)
+        self._begun = False
+
+    def __iter__(self) -> "Batches":
+        return self
+
+    def __next__(self) -> str:
+        self._begun = True
+        try:
+            return next(self._drain)
+        except StopIteration:
+            if self._then is not None:
+                then, self._then = self._then, None
+                then()
+            raise
+
+    def close(self) -> None:
+        if self._begun:
+            self._drain.close()
+        else:
+            self._drain = iter(())
+            self._outbox.stop()
 
 
 class _Outbox:
@@ -230,17 +261,26 @@ class _Outbox:
                     return
                 self._await()
         finally:
-            if ending is None:  # the caller stopped early: stop the engine thread's work, and wait until it has
-                self.cancelled = True
-                while True:
-                    while self._items and not isinstance(self._items[0], _End):
-                        self._items.popleft()
-                    if self._items:
-                        break
-                    self._await(IDLE_TURN_SECONDS)
-            if self._watcher is not None:
-                self._watcher.stop()  # a wake-up not yet delivered is dropped: the end is reported here then
-                self._report_end(lambda on_end: on_end())
+            if ending is None:  # the caller stopped early
+                self.stop()
+            else:
+                self._stop_waking()
+
+    def stop(self) -> None:
+        """On the caller's side, which takes no more: stop the engine thread's work, and wait until it has."""
+        self.cancelled = True
+        while True:
+            while self._items and not isinstance(self._items[0], _End):
+                self._items.popleft()
+            if self._items:
+                break
+            self._await(IDLE_TURN_SECONDS)
+        self._stop_waking()
+
+    def _stop_waking(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()  # a wake-up not yet delivered is dropped: the end is reported here then
+            self._report_end(lambda on_end: on_end())
 
 
 class _End:

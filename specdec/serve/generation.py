@@ -161,7 +161,8 @@ class Generation:
                 self.final = True
 
     def rounds(self, render: Callable[[list[dict]], str | Iterable[str]],
-               render_texts: Callable[[list[str], bool], str] | None = None) -> Iterator[str]:
+               render_texts: Callable[[list[str], bool], str] | None = None,
+               on_decoded: Callable[[], None] | None = None) -> Iterator[str]:
         """A stream's rounds, each rendered by `render(kept)` (its event, or several), decoded on the engine thread
         ahead of the sender: the engine thread never waits for the request's greenlet to send a round, and rounds
         decoded while it sent go out together. Once decoding has ended, the engine's stream is closed and the
@@ -175,8 +176,13 @@ class Generation:
         between two rounds the engine thread runs no more Python than a JSON answer's (bench/README.md, "Rounds
         bound by overhead"). There, `render_texts(texts, final)`, where the caller gives it, renders the rounds
         taken together from their texts alone (whether the last of them ends decoding): their tokens detokenized
-        in one pass, no per-round Python beyond the event's own (for events that carry text only)."""
+        in one pass, no per-round Python beyond the event's own (for events that carry text only).
+
+        Decoding starts at once, before the caller takes the first event; `on_decoded()` runs once it has ended
+        (after the engine is released; concurrency.EngineThread.ahead's on_end), whatever the sender is doing
+        then. Close the returned iterator to stop it, begun or not."""
         interval = self.service.settings.stream_interval
+        release = self.slot.release if on_decoded is None else lambda: (self.slot.release(), on_decoded())
         if self.completion.has_stop_strings:
             def rendered():
                 try:
@@ -185,10 +191,10 @@ class Generation:
                 finally:
                     self._close_stream()
 
-            return self.service.engine.ahead(rendered(), interval, on_end=self.slot.release)
-        return self._rendered_by_sender(render, interval, render_texts)
+            return self.service.engine.ahead(rendered(), interval, on_end=release)
+        return self._rendered_by_sender(render, interval, render_texts, release)
 
-    def _rendered_by_sender(self, render, interval: float, render_texts) -> Iterator[str]:
+    def _rendered_by_sender(self, render, interval: float, render_texts, release) -> Iterator[str]:
         def decoded():  # on the engine thread: (the round's chunk, whether it is the last)
             clock, deadline = time.perf_counter, self.deadline
             try:
@@ -210,8 +216,8 @@ class Generation:
                 events.append(_joined(render(self._feed(chunk))))
             return "".join(events)
 
-        yield from self.service.engine.ahead(decoded(), interval, rendered, on_end=self.slot.release)
-        self.completion.finish()  # decoding has ended (not reached when the client has gone)
+        # then: decoding has ended (not reached when the client has gone)
+        return self.service.engine.ahead(decoded(), interval, rendered, on_end=release, then=self.completion.finish)
 
     def finish_reason(self) -> str | None:
         if self.abandoned:

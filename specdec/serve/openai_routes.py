@@ -6,6 +6,7 @@ request id, the log line and the metrics. Only the shapes differ (openai_protoco
 the same Generation, as one JSON object or as OpenAI's Server-Sent Events.
 """
 
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -218,12 +219,22 @@ class Choices:
             generation.deadline = min(generation.deadline, self.generations[0].deadline)
         return generation
 
+    def generation(self, index: int) -> Generation:
+        """Choice `index`'s generation, started (with those before it) if it was not yet."""
+        while index >= len(self.generations):
+            self.generations.append(self._start(len(self.generations)))
+        return self.generations[index]
+
     def __iter__(self):
         """(index, generation), each started when reached."""
         for index in range(len(self.prompts)):
-            if index == len(self.generations):
-                self.generations.append(self._start(index))
-            yield index, self.generations[index]
+            yield index, self.generation(index)
+
+    def release_engine(self) -> None:
+        """The last choice is decoded: the engine goes to the next request (a stream's events may still be on their
+        way to the client)."""
+        if self.slot is not None:
+            self.slot.release()
 
     def run(self) -> None:
         for _, generation in self:
@@ -403,10 +414,30 @@ class Reply:
         with the role; with echo, the prompt comes first), finish_reason and the stats on the choice's last
         content chunk, the usage chunk if asked for, then [DONE]. Text that may turn out to be the start of a
         stop string is held back until it is known not to be, and a token's logprobs go with its text."""
+        primed, lock, closing = {}, threading.Lock(), []
+
+        def prime(index: int) -> None:  # a choice's decoding begun: its events run to their first (None)
+            if index == len(choices.prompts):  # the last is decoded: the engine is free, whatever the client reads
+                choices.release_engine()
+                return
+            with lock:
+                if closing or index in primed:
+                    return
+                events = self._choice_events(choices, index, choices.generation(index), lambda: prime_next(index))
+                next(events)
+                primed[index] = events
+
+        def prime_next(index: int) -> None:  # when a choice is decoded (on the loop, or the engine thread)
+            try:
+                prime(index + 1)
+            except Exception:  # noqa: BLE001 - the sender, reaching it, starts it again and reports the error
+                pass
+
         try:
-            for index, generation in choices:
-                yield from self._choice_events(choices, index, generation)
-                generation.close()
+            for index in range(len(choices.prompts)):
+                prime(index)
+                yield from primed.pop(index)
+                choices.generations[index].close()
             if self.include_usage:
                 yield self._chunk(None, usage=choices.usage())
             yield DONE
@@ -416,11 +447,15 @@ class Reply:
             yield sse(openai_error(api_error)[0])
             yield DONE
         finally:
+            with lock:
+                closing.append(True)
+                left = list(primed.values())
+            for events in left:  # decoded ahead for a client gone (or after an error): stopped
+                events.close()
             choices.close()
 
-    def _choice_events(self, choices: Choices, index: int, generation: Generation):
-        if self.chat:
-            yield self._chunk("", index, role=True)
+    def _choice_events(self, choices: Choices, index: int, generation: Generation,
+                       on_decoded=None):
         completion = generation.completion
         text, entries = choices.echo(index), []  # not sent yet: the round that ended decoding goes with finish
         first = True
@@ -455,22 +490,29 @@ class Reply:
             return "".join(chunks)
 
         text_only = not (self.tools or self.logprobs)  # a round's chunk is its text alone (no entries, no calls)
-        yield from generation.rounds(render, render_texts if text_only else None)
-        text += completion.take()
-        entries += self._entries(choices, index, generation, completion.take_tokens())
-        stats = SpeculativeDecodingStats.of(generation.stats())
-        if self.tools:  # the calls in the text, then the content not sent yet
-            content, calls = parse_tool_calls(text)
-            yield from self._call_deltas(reader.read(text), streamed, index)
-            for i, call in enumerate(calls):  # what the reader could not stream: the rest of each call
-                if i not in streamed:
-                    yield from self._call_deltas([(i, call.id, call.function.name, "")], streamed, index)
-                sent = streamed[i]
-                if call.function.arguments != sent and call.function.arguments.startswith(sent):
-                    yield from self._call_deltas([(i, None, None, call.function.arguments[len(sent):])], streamed,
-                                                 index)
-            rest = content[len(said):] if content and content.startswith(said) else None
-            yield self._chunk(rest if rest or not (calls or said) else None, index,
-                              finish_reason(generation, bool(calls)), stats, logprobs=self._logprobs(choices.svc, entries))
-            return
-        yield self._chunk(text, index, finish_reason(generation), stats, logprobs=self._logprobs(choices.svc, entries))
+        rounds = generation.rounds(render, render_texts if text_only else None, on_decoded)
+        try:
+            yield None  # primed: decoding has begun (Reply.events takes this before the events)
+            if self.chat:
+                yield self._chunk("", index, role=True)
+            yield from rounds
+            text += completion.take()
+            entries += self._entries(choices, index, generation, completion.take_tokens())
+            stats = SpeculativeDecodingStats.of(generation.stats())
+            if self.tools:  # the calls in the text, then the content not sent yet
+                content, calls = parse_tool_calls(text)
+                yield from self._call_deltas(reader.read(text), streamed, index)
+                for i, call in enumerate(calls):  # what the reader could not stream: the rest of each call
+                    if i not in streamed:
+                        yield from self._call_deltas([(i, call.id, call.function.name, "")], streamed, index)
+                    sent = streamed[i]
+                    if call.function.arguments != sent and call.function.arguments.startswith(sent):
+                        yield from self._call_deltas([(i, None, None, call.function.arguments[len(sent):])], streamed,
+                                                     index)
+                rest = content[len(said):] if content and content.startswith(said) else None
+                yield self._chunk(rest if rest or not (calls or said) else None, index,
+                                  finish_reason(generation, bool(calls)), stats, logprobs=self._logprobs(choices.svc, entries))
+                return
+            yield self._chunk(text, index, finish_reason(generation), stats, logprobs=self._logprobs(choices.svc, entries))
+        finally:
+            rounds.close()  # begun or not: a choice decoded ahead for a client gone stops

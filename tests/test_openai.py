@@ -1034,3 +1034,60 @@ def test_a_stream_of_several_choices_frees_the_engine_once_all_are_decoded_thoug
         for choice in chunk["choices"]:
             texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+
+
+def _rounds_per_generation(monkeypatch) -> list:
+    """Every Generation.rounds call, by the generation it was called on."""
+    from specdec.serve.generation import Generation
+
+    calls, rounds = [], Generation.rounds
+    monkeypatch.setattr(Generation, "rounds", lambda self, *args, **kwargs: calls.append(id(self))
+                        or rounds(self, *args, **kwargs))
+    return calls
+
+
+def test_each_choice_of_a_stream_is_decoded_once(client, monkeypatch):
+    """A choice is started by whichever comes first, the sender reaching it or the end of the choice before it; a
+    review found the second one started it again (a second decoding job, outbox and wake-up for each choice)."""
+    from specdec.serve.concurrency import _Outbox
+
+    calls = _rounds_per_generation(monkeypatch)
+    report_end = _Outbox._report_end
+    # the end reported late, as under gevent, where the sender often takes it before the greenlet reporting it runs
+    monkeypatch.setattr(_Outbox, "_report_end", lambda self, run: (time.sleep(0.05), report_end(self, run)))
+    for _ in range(3):
+        assert chunks(complete(client, max_tokens=6, n=3, seed=2, stream=True))
+    time.sleep(0.2)
+    assert len(calls) == 9 and len(set(calls)) == 9
+
+
+def test_a_stream_left_by_its_client_starts_no_further_choice(client, service, monkeypatch):
+    """A choice that ended because the client left (or with an error) is not followed by the next: it was started
+    (a prefill and a round) only to be stopped."""
+    calls = _rounds_per_generation(monkeypatch)
+    response = client.post("/v1/completions", json={"model": "target", "prompt": PROMPT, "max_tokens": 200, "n": 3,
+                                                    "seed": 1, "ignore_eos": True, "stream": True})
+    assert next(iter(response.response)).startswith(b"data: ")
+    response.close()
+    time.sleep(0.2)  # an end reported late would start the next choice now
+    assert len(calls) == 1 and not service.scheduler.busy
+
+
+def test_a_chat_answer_without_max_tokens_may_ask_for_more_min_tokens_than_the_old_default(client):
+    """The chat default is max_new_tokens_limit, so min_tokens 100 without max_tokens is taken (it was checked
+    against the completions' default, 64, and refused)."""
+    answer = chat(client, min_tokens=100, seed=1)
+    assert answer.status_code == 200, answer.get_json()
+    assert answer.get_json()["usage"]["completion_tokens"] >= 100
+
+
+def test_later_choices_cache_hits_count_as_their_prompt_tokens_do_once_per_prompt(client, caplog):
+    """The log line and /metrics counted the prompt once but the later choices' cache hits each time (n = 4 on a
+    100-token prompt logged cached_tokens 297): both now count what usage counts."""
+    before = metric(client, "specdec_prompt_cache_cached_tokens_total")
+    with caplog.at_level(logging.INFO, logger="specdec.serve"):
+        usage = chat(client, max_tokens=2, n=4, seed=3, headers={"X-Request-ID": "cached-once"}).get_json()["usage"]
+    (line,) = [r.getMessage() for r in caplog.records if "request_id=cached-once " in r.getMessage()]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert f"prompt_tokens={usage['prompt_tokens']} " in line and f"cached_tokens={cached} " in line, line
+    assert metric(client, "specdec_prompt_cache_cached_tokens_total") - before == cached

@@ -721,3 +721,27 @@ def test_closing_a_stream_stops_generation(client, service, caplog):
                for r in caplog.records)
     assert predict(client, max_new_tokens=3).status_code == 200
 
+
+
+def test_a_stream_closed_after_the_next_request_does_not_set_the_prompt_cache_gauges_back(client, service):
+    """A stream frees the engine once decoded, and the next request may run before its client has read it: the
+    gauges are set when its caches go to the prompt cache, not when the stream is closed (which set them back to
+    what the cache held before the next request)."""
+    def entries() -> float:
+        for line in client.get("/metrics").get_data(as_text=True).splitlines():
+            if line.startswith("specdec_prompt_cache_entries "):
+                return float(line.split()[-1])
+
+    response = predict(client, prompt="a first prompt, streamed", stream=True, max_new_tokens=30, seed=1,
+                       ignore_eos=True)
+    events = iter(response.response)
+    next(events)
+    deadline = time.monotonic() + 20
+    while service.scheduler.busy:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert predict(client, prompt="another prompt entirely, answered whole", max_new_tokens=3).status_code == 200
+    after_the_next = entries()
+    b"".join(events)
+    response.close()
+    assert entries() == after_the_next

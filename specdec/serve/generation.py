@@ -49,6 +49,11 @@ class Generation:
     def done(self) -> bool:
         return self.result is not None or self.completion.stopped
 
+    @property
+    def decoded(self) -> bool:
+        """Decoding ended by itself (its result is in), not by a client gone or an error. Read by any thread."""
+        return self.result is not None
+
     def step(self) -> list[dict] | None:
         """Decode one round with its text; the tokens it kept, or None when decoding has ended."""
         if self.done:
@@ -135,6 +140,8 @@ class Generation:
         if not self._stream_closed:
             self._held = _close(self.stream, self.service.decoder)
             self._stream_closed = True
+            if self._held is not None:  # now, before the engine goes to the next request (which sets them again)
+                self.service.metrics.observe_prompt_cache(self._held)
 
     def _decode_deferred(self) -> None:
         """`step` until the end, without stop strings, in one loop; the text made from all rounds at the end (on
@@ -308,8 +315,7 @@ class Generation:
                 return
             self.closed = True
         try:
-            held = self._held if self._stream_closed else self.service.engine.call(_close, self.stream,
-                                                                                    self.service.decoder)
+            held = None if self._stream_closed else self.service.engine.call(_close, self.stream, self.service.decoder)
         finally:
             self.slot.release()
         record = self.record
@@ -317,9 +323,9 @@ class Generation:
         record.finish_reason = self.finish_reason() or "cancelled"
         stats = self.stats()
         record.acceptance_rate = stats.acceptance_rate if stats else None
-        if stats is not None and stats.cached_tokens is not None:
+        if stats is not None and stats.cached_tokens is not None and self.counts_prompt:
             record.cached_tokens = (record.cached_tokens or 0) + stats.cached_tokens
-        self.service.metrics.observe_generation(len(self.prompt_ids) if self.counts_prompt else 0, stats)
+        self.service.metrics.observe_generation(len(self.prompt_ids), stats, self.counts_prompt)
         if held is not None:
             self.service.metrics.observe_prompt_cache(held)
 

@@ -91,9 +91,12 @@ class Metrics:
         self.requests.labels(endpoint, str(status)).inc()
         self.latency.labels(endpoint).observe(seconds)
 
-    def observe_generation(self, prompt_tokens: int, stats: GenerationStats | None) -> None:
-        """One generation, finished or abandoned (its stats so far); None: a stream that was not the engine's."""
-        self.prompt_tokens.inc(prompt_tokens)
+    def observe_generation(self, prompt_tokens: int, stats: GenerationStats | None, counts_prompt: bool = True) -> None:
+        """One generation, finished or abandoned (its stats so far); None: a stream that was not the engine's.
+        Without `counts_prompt` (a /v1 request's later choices of a prompt) its prompt, and what the prompt cache
+        served of it, are not counted again, as usage counts them."""
+        if counts_prompt:
+            self.prompt_tokens.inc(prompt_tokens)
         if stats is None:
             return
         self.generated_tokens.inc(stats.new_tokens)
@@ -104,7 +107,7 @@ class Metrics:
             self.accepted_per_position.labels(str(position)).inc(accepted)
         if stats.mean_acceptance_length is not None:
             self.acceptance_length.observe(stats.mean_acceptance_length)
-        if stats.cached_tokens is not None:
+        if stats.cached_tokens is not None and counts_prompt:
             (self.prompt_cache_hits if stats.cached_tokens else self.prompt_cache_misses).inc()
             self.cached_prompt_tokens.inc(stats.cached_tokens)
         for counter, counts in ((self.proposed_by_drafter, stats.proposed_by_drafter),

@@ -353,10 +353,16 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
+    # without max_tokens: the server's max_new_tokens, or (a chat answer, as vLLM's) max_new_tokens_limit
+    runs_to_the_limit: ClassVar[bool] = False
+
     def sampling(self, settings: Settings) -> SamplingParams:
         """The configured defaults with this request's sampling fields; a bad value is a 400 naming the field."""
+        max_tokens = self.requested_max_tokens
+        if max_tokens is None and self.runs_to_the_limit:
+            max_tokens = settings.max_new_tokens_limit
         try:
-            return sampling_params(settings, **{**self.sampling_fields(), "max_new_tokens": self.requested_max_tokens})
+            return sampling_params(settings, **{**self.sampling_fields(), "max_new_tokens": max_tokens})
         except ApiError as error:
             if error.field == "max_new_tokens":
                 error.field = self.max_tokens_field
@@ -438,6 +444,8 @@ class _ChatTemplating(BaseModel):
 
 class ChatCompletionRequest(_ChatTemplating, _Request):
     """POST /v1/chat/completions."""
+
+    runs_to_the_limit: ClassVar[bool] = True
 
     model_config = ConfigDict(json_schema_extra={"allOf": [
         {"not": {  # not both max_completion_tokens and max_tokens

@@ -155,8 +155,6 @@ def answer(svc, req, prompts: list[list[int]], sampling, prompt_field: str, chat
     """Fit each completion into the context, start decoding, answer as JSON or as a stream: n choices for each
     prompt (req.n), choice j of a prompt with the j-th seed derived from the request's (params.choice_seed)."""
     n = req.n or 1
-    if chat and req.requested_max_tokens is None:  # as vLLM: a chat answer may run to its end, within the limits
-        sampling = sampling.replace(max_new_tokens=svc.settings.max_new_tokens_limit)
     samplings = [sampling.replace(max_new_tokens=room(svc, ids, sampling.max_new_tokens,
                                                       req.requested_max_tokens is not None, req.max_tokens_field,
                                                       prompt_field), seed=choice_seed(sampling.seed, j))
@@ -414,20 +412,27 @@ class Reply:
         with the role; with echo, the prompt comes first), finish_reason and the stats on the choice's last
         content chunk, the usage chunk if asked for, then [DONE]. Text that may turn out to be the start of a
         stop string is held back until it is known not to be, and a token's logprobs go with its text."""
-        primed, lock, closing = {}, threading.Lock(), []
+        primed, started, lock, closing = {}, set(), threading.Lock(), []
 
-        def prime(index: int) -> None:  # a choice's decoding begun: its events run to their first (None)
+        def prime(index: int) -> None:  # a choice's decoding begun, once: its events run to their first (None)
             if index == len(choices.prompts):  # the last is decoded: the engine is free, whatever the client reads
                 choices.release_engine()
                 return
             with lock:
-                if closing or index in primed:
+                if closing or index in started:
                     return
-                events = self._choice_events(choices, index, choices.generation(index), lambda: prime_next(index))
-                next(events)
+                started.add(index)
+                try:
+                    events = self._choice_events(choices, index, choices.generation(index), lambda: prime_next(index))
+                    next(events)
+                except BaseException:
+                    started.discard(index)
+                    raise
                 primed[index] = events
 
-        def prime_next(index: int) -> None:  # when a choice is decoded (on the loop, or the engine thread)
+        def prime_next(index: int) -> None:  # when a choice's work has ended (on the loop, or the engine thread)
+            if not choices.generations[index].decoded:  # a client gone, or an error: no more choices
+                return
             try:
                 prime(index + 1)
             except Exception:  # noqa: BLE001 - the sender, reaching it, starts it again and reports the error

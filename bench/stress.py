@@ -527,8 +527,64 @@ def fault_exception_in_stream(server: Server) -> dict:
     return {"ok": bool(ok), "events": len(events)}
 
 
+def _raw_post(server: Server, path: str, body: dict, request_id: str, receive_buffer: int | None = None) -> socket.socket:
+    """A connection with one JSON POST sent on it, its answer not read (a receive buffer this small, if given)."""
+    data = json.dumps(body).encode()
+    connection = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer:
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    connection.connect(("127.0.0.1", server.port))
+    connection.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-ID: "
+                       f"{request_id}\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    return connection
+
+
+def fault_hang_up(server: Server, max_new_tokens: int = 200) -> dict:
+    """A client that hangs up before its JSON answer (an SDK's timeout): decoding stops within a round or so."""
+    generated = server.metric("specdec_generated_tokens_total")
+    connection = _raw_post(server, "/predict", {"prompt": "a client that hangs up", "max_new_tokens": max_new_tokens,
+                                                "gamma": 2, "temperature": 0, "ignore_eos": True}, "fault-hang-up")
+    time.sleep(0.2)
+    left = time.perf_counter()
+    connection.close()
+    deadline = time.monotonic() + 30
+    while "request_id=fault-hang-up " not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    released = time.perf_counter() - left
+    tokens = server.metric("specdec_generated_tokens_total") - generated
+    cancelled = any("request_id=fault-hang-up " in line and "finish_reason=cancelled" in line
+                    for line in server.log().splitlines())
+    ok = tokens < max_new_tokens and cancelled and _engine_free_and_serving(server)
+    return {"ok": ok, "generated_tokens": int(tokens), "of": max_new_tokens, "released_after_ms": round(released * 1000)}
+
+
+def fault_unread_stream(server: Server, choices: int = 4, max_tokens: int = 120) -> dict:
+    """A client that never reads a large stream (several choices with logprobs, a 2 KB receive buffer): the engine
+    is free once the choices are decoded, and another request is answered meanwhile."""
+    connection = _raw_post(server, "/v1/completions", {
+        "model": "target", "prompt": "a client that never reads", "max_tokens": max_tokens, "n": choices,
+        "logprobs": 20, "ignore_eos": True, "temperature": 0, "stream": True}, "fault-unread", receive_buffer=2048)
+    try:
+        started = time.perf_counter()
+        time.sleep(0.2)
+        deadline = time.monotonic() + 60
+        while server.metric("specdec_engine_busy") != 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        freed = time.perf_counter() - started
+        asked = time.perf_counter()
+        other = server.post({"prompt": "another client", "max_new_tokens": 4, "temperature": 0})
+        answered = time.perf_counter() - asked
+        unfinished = "request_id=fault-unread " not in server.log()  # its events are still unsent
+    finally:
+        connection.close()
+    ok = other.status_code == 200 and freed < 60 and answered < 10
+    return {"ok": ok, "engine_free_after_ms": round(freed * 1000), "other_answered_ms": round(answered * 1000),
+            "unread_still_open": unfinished, "tokens": choices * max_tokens}
+
+
 def run_faults(server: Server) -> dict:
-    return {"disconnect": fault_disconnect(server), "exception": fault_exception(server),
+    return {"disconnect": fault_disconnect(server), "hang_up": fault_hang_up(server),
+            "unread_stream": fault_unread_stream(server), "exception": fault_exception(server),
             "out_of_memory": fault_exception(server, OOM_MARKER, "fault-oom"),
             "exception_in_stream": fault_exception_in_stream(server)}
 
@@ -642,6 +698,18 @@ def checks(figures: dict) -> list[tuple[str, str, str, bool]]:
         rows.append(("fault: client disconnects mid-stream",
                      f"stopped after {f['generated_tokens']} of {f['of']} tokens, engine free after "
                      f"{f['released_after_ms']} ms", "stops, lock released, next served", f["ok"]))
+    if "hang_up" in faults:
+        f = faults["hang_up"]
+        rows.append(("fault: client hangs up before its JSON answer",
+                     f"stopped after {f['generated_tokens']} of {f['of']} tokens, logged {f['released_after_ms']} ms "
+                     "after", "stops, lock released, next served", f["ok"]))
+    if "unread_stream" in faults:
+        f = faults["unread_stream"]
+        rows.append(("fault: client never reads a stream of " + str(f["tokens"]) + " tokens with logprobs",
+                     f"engine free after {f['engine_free_after_ms']} ms, another request answered in "
+                     f"{f['other_answered_ms']} ms" + (" while the stream was unread" if f["unread_still_open"]
+                                                       else ""), "engine freed once decoded, others served",
+                     f["ok"]))
     for key, what in (("exception", "exception inside generation"), ("out_of_memory", "out of memory in forward"),
                       ("exception_in_stream", "exception after a stream started")):
         if key in faults:

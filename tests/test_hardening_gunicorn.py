@@ -97,9 +97,11 @@ def test_sixteen_concurrent_clients(server):
     assert load["ok_200"] > 0 and load["busy_503"] > 0 and load["busy_503_without_retry_after"] == 0, load
 
 
-@pytest.mark.parametrize("fault", ["disconnect", "exception", "out_of_memory", "exception_in_stream"])
+@pytest.mark.parametrize("fault", ["disconnect", "hang_up", "unread_stream", "exception", "out_of_memory",
+                                   "exception_in_stream"])
 def test_fault(server, fault):
-    result = {"disconnect": stress.fault_disconnect, "exception": stress.fault_exception,
+    result = {"disconnect": stress.fault_disconnect, "hang_up": stress.fault_hang_up,
+              "unread_stream": stress.fault_unread_stream, "exception": stress.fault_exception,
               "out_of_memory": lambda s: stress.fault_exception(s, stress.OOM_MARKER, "fault-oom"),
               "exception_in_stream": stress.fault_exception_in_stream}[fault](server)
     assert result["ok"], (result, server.log()[-3000:])

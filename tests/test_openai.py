@@ -23,7 +23,7 @@ from specdec.serve.openai_protocol import (
     CompletionRequest,
     ModelList,
 )
-from tests.support.models import SPECIALS, make_app
+from tests.support.models import SPECIALS, make_app, wait_until_engine_free
 from tests.support.spies import fail_after_first_chunk
 
 pytestmark = [pytest.mark.usefixtures("clean_env"), pytest.mark.xdist_group("openai")]
@@ -1021,10 +1021,7 @@ def test_a_stream_of_several_choices_frees_the_engine_once_all_are_decoded_thoug
     response = client.post("/v1/completions", json={"model": "target", **body, "stream": True})
     events = iter(response.response)
     first = next(events)
-    deadline = time.monotonic() + 20
-    while service.scheduler.busy:  # the client reads nothing meanwhile
-        assert time.monotonic() < deadline, "the engine is still held by a stream nobody reads"
-        time.sleep(0.01)
+    wait_until_engine_free(service)  # the client reads nothing meanwhile
     assert complete(client, max_tokens=2).status_code == 200  # served while the stream is unread
     blocks = [b.removeprefix("data: ") for b in (first + b"".join(events)).decode().strip().split("\n\n")]
     response.close()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from specdec import SpecDecError
 from specdec.serve import create_app
-from tests.support.models import make_app
+from tests.support.models import make_app, wait_until_engine_free
 from tests.support.spies import fail_after_first_chunk
 
 PROMPT = "Who is the president of the USA"
@@ -686,10 +686,7 @@ def test_a_stream_frees_the_engine_once_decoded_though_its_client_has_read_nothi
     response = client.post(path, json={**body, tokens: 60, "seed": 1, "ignore_eos": True, "stream": True})
     events = iter(response.response)
     first = next(events)
-    deadline = time.monotonic() + 20
-    while service.scheduler.busy:  # the client reads nothing meanwhile
-        assert time.monotonic() < deadline, "the engine is still held by a stream nobody reads"
-        time.sleep(0.01)
+    wait_until_engine_free(service)  # the client reads nothing meanwhile
     assert predict(client, max_new_tokens=3).status_code == 200  # served while the stream is unread
     rest = (first + b"".join(events)).decode()
     response.close()
@@ -736,10 +733,7 @@ def test_a_stream_closed_after_the_next_request_does_not_set_the_prompt_cache_ga
                        ignore_eos=True)
     events = iter(response.response)
     next(events)
-    deadline = time.monotonic() + 20
-    while service.scheduler.busy:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until_engine_free(service)  # the client reads nothing meanwhile
     assert predict(client, prompt="another prompt entirely, answered whole", max_new_tokens=3).status_code == 200
     after_the_next = entries()
     b"".join(events)

@@ -152,10 +152,8 @@ class Batches:
             raise
 
     def close(self) -> None:
-        if self._begun:
-            self._drain.close()
-        else:
-            self._drain = iter(())
+        self._drain.close()  # a drain begun stops the work itself, on its way out
+        if not self._begun:
             self._outbox.stop()
 
 

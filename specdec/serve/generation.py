@@ -25,7 +25,8 @@ class Generation:
     """One request's decoding, from the engine stream it was given to its last event."""
 
     def __init__(self, service, stream, slot, record, prompt_ids: list[int], max_new_tokens: int,
-                 stop=(), details: bool = False, logprobs: bool = False, eos=(), min_tokens: int = 0):
+                 stop=(), details: bool = False, logprobs: bool = False, eos=(), min_tokens: int = 0,
+                 counts_prompt: bool = True):
         self.service, self.stream, self.slot, self.record = service, stream, slot, record
         self.prompt_ids, self.max_new_tokens, self.details = prompt_ids, max_new_tokens, details
         self.logprobs = logprobs  # the request asked for the tokens' log-probabilities
@@ -36,12 +37,11 @@ class Generation:
         self.new_tokens = 0
         self.deadline = time.perf_counter() + service.settings.request_timeout  # the engine is ours until then
         self.timed_out = False
-        self.counts_prompt = True  # its prompt tokens go to the metrics (a /v1 request's later choices' do not)
+        self.counts_prompt = counts_prompt  # its prompt tokens count (a /v1 request's later choices' do not)
         self.abandoned = False  # the client has gone (a JSON answer's): decoding ends at the next round's end
         self.final = False  # the round just decoded was the last: the next step ends without decoding
         self.closed = False
         self._close_lock = threading.Lock()
-        self._held = None  # what the prompt cache holds once `run` closed the stream (else `close` closes it)
         self._stream_closed = False
         self._final_stats: GenerationStats | None = None  # the result's, with the wait for the engine: stats()
 
@@ -138,10 +138,10 @@ class Generation:
         """On the engine thread, once decoding has ended: close the engine's stream (its caches go to the prompt
         cache), so that the engine may serve the next request while this one's answer is still being sent."""
         if not self._stream_closed:
-            self._held = _close(self.stream, self.service.decoder)
+            held = _close(self.stream, self.service.decoder)
             self._stream_closed = True
-            if self._held is not None:  # now, before the engine goes to the next request (which sets them again)
-                self.service.metrics.observe_prompt_cache(self._held)
+            if held is not None:  # now, before the engine goes to the next request (which sets them again)
+                self.service.metrics.observe_prompt_cache(held)
 
     def _decode_deferred(self) -> None:
         """`step` until the end, without stop strings, in one loop; the text made from all rounds at the end (on
@@ -315,7 +315,8 @@ class Generation:
                 return
             self.closed = True
         try:
-            held = None if self._stream_closed else self.service.engine.call(_close, self.stream, self.service.decoder)
+            if not self._stream_closed:  # abandoned before its decoding closed it
+                self.service.engine.call(self._close_stream)
         finally:
             self.slot.release()
         record = self.record
@@ -326,8 +327,6 @@ class Generation:
         if stats is not None and stats.cached_tokens is not None and self.counts_prompt:
             record.cached_tokens = (record.cached_tokens or 0) + stats.cached_tokens
         self.service.metrics.observe_generation(len(self.prompt_ids), stats, self.counts_prompt)
-        if held is not None:
-            self.service.metrics.observe_prompt_cache(held)
 
 
 def _advance(stream):

@@ -412,7 +412,7 @@ class Reply:
         with the role; with echo, the prompt comes first), finish_reason and the stats on the choice's last
         content chunk, the usage chunk if asked for, then [DONE]. Text that may turn out to be the start of a
         stop string is held back until it is known not to be, and a token's logprobs go with its text."""
-        primed, started, lock, closing = {}, set(), threading.Lock(), []
+        primed, started, lock, closing = {}, set(), threading.Lock(), False
 
         def prime(index: int) -> None:  # a choice's decoding begun, once: its events run to their first (None)
             if index == len(choices.prompts):  # the last is decoded: the engine is free, whatever the client reads
@@ -453,7 +453,7 @@ class Reply:
             yield DONE
         finally:
             with lock:
-                closing.append(True)
+                closing = True
                 left = list(primed.values())
             for events in left:  # decoded ahead for a client gone (or after an error): stopped
                 events.close()

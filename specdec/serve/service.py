@@ -274,8 +274,7 @@ class Service:
                                                     sampling.max_new_tokens, stop, details,
                                                     logprobs=sampling.logprobs is not None,
                                                     eos=sampling.ending_tokens(self.models.eos_token_ids),
-                                                    min_tokens=sampling.min_tokens)
-        generation.counts_prompt = counts_prompt
+                                                    min_tokens=sampling.min_tokens, counts_prompt=counts_prompt)
         record.generations.append(generation)
         return generation
 

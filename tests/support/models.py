@@ -4,6 +4,7 @@ loaded pair: the helpers the tests (and the stress harness) share. Nothing here 
 
 import contextlib
 import os
+import time
 
 import pytest
 import torch
@@ -103,6 +104,14 @@ def make_app(pair, **overrides):
     app = create_app({"loader": lambda settings: pair, **overrides})
     assert app.extensions["specdec"].wait_until_loaded(30)
     return app
+
+
+def wait_until_engine_free(service, seconds: float = 20) -> None:
+    """Wait until no request holds the service's engine (a stream's client reading nothing meanwhile), or fail."""
+    deadline = time.monotonic() + seconds
+    while service.scheduler.busy:
+        assert time.monotonic() < deadline, "the engine is still held by a stream nobody reads"
+        time.sleep(0.01)
 
 
 

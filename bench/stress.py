@@ -101,7 +101,8 @@ def stop_process(process: subprocess.Popen, grace: float) -> int:
 class Server:
     """`python serving.py` (gunicorn) on 127.0.0.1 with only the SPECDEC_* settings given here."""
 
-    def __init__(self, log_path: Path, env: dict | None = None, **settings):
+    def __init__(self, log_path: Path, env: dict | None = None, cwd: Path = ROOT, **settings):
+        """Started in `cwd` (where a relative path in a setting is read from)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
@@ -112,8 +113,8 @@ class Server:
                         "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
                         "PYTHONUNBUFFERED": "1", **(env or {})})
         with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen([sys.executable, "serving.py"], cwd=ROOT, env=environ, stdout=log,
-                                            stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen([sys.executable, str(ROOT / "serving.py")], cwd=cwd, env=environ,
+                                            stdout=log, stderr=subprocess.STDOUT)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")

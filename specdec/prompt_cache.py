@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from .errors import SpecDecError
+
 ROLES = ("target", "draft")
 # the default budget: at most the weights' own size, and at most this share of the memory the weights leave
 SHARE_OF_FREE_MEMORY = 0.25
@@ -146,7 +148,8 @@ class PromptCache:
 
     def __init__(self, budget: int = 0):
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise ValueError(f"the prompt cache's budget must be a byte count >= 0, got {budget!r}")
+            raise SpecDecError(f"the prompt cache's budget must be a byte count >= 0, got {budget!r}",
+                               field="prompt_cache_bytes")
         self.budget = budget
         self._entries: OrderedDict[int, Entry] = OrderedDict()  # the most recently used last
         self._next_key = 0

@@ -14,6 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from specdec import SamplingParams, SpeculativeDecoder
+from specdec.errors import SpecDecError
 from specdec.models.kernels import use_cpu_kernels
 from specdec.prompt_cache import PromptCache, common_prefix, default_budget
 from tests.support.models import make_app, make_model, perturbed_copy
@@ -79,10 +80,15 @@ def test_default_budget_is_the_weights_or_a_quarter_of_what_they_leave():
     assert default_budget(4_000, 3_000) == 0 and default_budget(4_000, None) == 0
 
 
-def test_a_budget_must_be_a_byte_count():
-    for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError):
+def test_a_budget_must_be_a_byte_count(models):
+    """The engine's one exception for bad input, naming the argument, as its other arguments' (the third audit:
+    it was a bare ValueError)."""
+    for bad in (-1, 1.5, True, "auto"):
+        with pytest.raises(SpecDecError) as raised:
             PromptCache(bad)
+        assert raised.value.field == "prompt_cache_bytes"
+        with pytest.raises(SpecDecError, match="byte count"):
+            SpeculativeDecoder(*models, prompt_cache_bytes=bad)
 
 
 # --- hits, misses, partial prefixes ----------------------------------------------------------------------------

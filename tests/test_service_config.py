@@ -128,6 +128,16 @@ def test_loader_may_be_an_import_path():
     ({"SPECDEC_MAX_NEW_TOKENS": "1e2"}, {}, ["max_new_tokens = '1e2'", "must be an integer"]),
     ({"SPECDEC_DEVICE": "foo"}, {}, ["device = 'foo' (from SPECDEC_DEVICE)", "cuda:N"]),
     ({"SPECDEC_GAMMA": "100"}, {}, ["gamma (100) exceeds max_gamma (16) (gamma from SPECDEC_GAMMA, max_gamma from "]),
+    # found by the third audit: a timeout past a thread's longest wait started a server whose queued requests
+    # answered 500 (two finite ones overflowed gunicorn's graceful_timeout); hosts and origins it could not use
+    ({"SPECDEC_QUEUE_TIMEOUT": "1e10"}, {}, ["queue_timeout = '1e10' (from SPECDEC_QUEUE_TIMEOUT)", "1000000"]),
+    ({"SPECDEC_REQUEST_TIMEOUT": "1e308"}, {}, ["request_timeout", "1000000"]),
+    ({"SPECDEC_HEADER_TIMEOUT": "1e7"}, {}, ["header_timeout", "1000000"]),
+    ({"SPECDEC_BODY_TIMEOUT": "1e7"}, {}, ["body_timeout", "1000000"]),
+    ({"SPECDEC_HOST": "not a host"}, {}, ["host = 'not a host' (from SPECDEC_HOST)", "host name or an IP address"]),
+    ({"SPECDEC_HOST": "[::1]"}, {}, ["host = '[::1]'", "without brackets"]),
+    ({"SPECDEC_CORS_ALLOW_ORIGINS": "https://a.com:99999"}, {}, ["'https://a.com:99999' is not an origin"]),
+    ({"SPECDEC_CORS_ALLOW_ORIGINS": "http://[::1"}, {}, ["'http://[::1' is not an origin"]),
 ])
 def test_invalid_configuration_is_one_clear_error(environ, overrides, words):
     with pytest.raises(ConfigError) as raised:
@@ -153,6 +163,24 @@ def test_unreadable_toml_is_one_clear_error(tmp_path):
     file.write_text("port = = 1\n")
     with pytest.raises(ConfigError, match="cannot read the file named by SPECDEC_CONFIG"):
         load_settings(environ={"SPECDEC_CONFIG": str(file)})
+
+
+def test_a_config_file_that_is_not_utf8_is_one_clear_error(tmp_path):
+    file = tmp_path / "latin1.toml"
+    file.write_bytes(b'host = "\xe9"\n')
+    with pytest.raises(ConfigError) as raised:
+        load_settings(environ={"SPECDEC_CONFIG": str(file)})
+    assert str(raised.value) == f"cannot read the file named by SPECDEC_CONFIG, {file}: it is not UTF-8 text"
+
+
+def test_devices_hosts_and_origins_are_kept_as_they_are_used():
+    """A device with spaces around it, or AUTO, passed this check and failed only when loading (the third audit);
+    an IPv6 origin was refused. Each is now kept as the loader, the bind and CORS take it."""
+    settings = load_settings(environ={"SPECDEC_DEVICE": " cpu ", "SPECDEC_HOST": " ::1 ",
+                                      "SPECDEC_CORS_ALLOW_ORIGINS": "http://[::1]:8080, https://a.example:443"})
+    assert (settings.device, settings.host) == ("cpu", "::1")
+    assert load_settings(environ={"SPECDEC_DEVICE": "AUTO", "SPECDEC_HOST": "0.0.0.0"}).device == "auto"
+    assert load_settings(environ={"SPECDEC_HOST": "my-host.internal"}).host == "my-host.internal"
 
 
 def test_numbers_and_devices_that_are_fine_stay_fine():

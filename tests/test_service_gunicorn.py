@@ -392,6 +392,26 @@ def test_invalid_configuration_stops_start_up_with_one_message(tmp_path):
     assert "Traceback" not in log
 
 
+def test_relative_paths_in_settings_are_read_from_where_the_service_was_started(tmp_path, tiny_pair_dirs):
+    """The master checked the settings in the directory the service was started from, the worker used them in the
+    repository's (gunicorn's --chdir): a relative SPECDEC_CONFIG was silently another file, and relative model
+    folders and keys files failed in the worker (the third audit). Both now read them from where it started."""
+    for name, source in zip(("draft", "target"), tiny_pair_dirs):
+        shutil.copytree(source, tmp_path / "pair" / name)
+    (tmp_path / "my.toml").write_text('method = "target"\nmax_new_tokens = 7\n')
+    (tmp_path / "keys.txt").write_text("sk-relative-key\n")
+    server = Server(tmp_path / "server.log", cwd=tmp_path, config="my.toml", draft_model="pair/draft",
+                    target_model="pair/target", api_keys_file="keys.txt", device="cpu")
+    try:
+        server.wait_ready(timeout=90)
+        assert requests.post(server.url + "/predict", json={"prompt": PROMPT}, timeout=60).status_code == 401
+        answer = requests.post(server.url + "/predict", json={"prompt": PROMPT, "ignore_eos": True}, timeout=60,
+                               headers={"Authorization": "Bearer sk-relative-key"}).json()
+        assert (answer["stats"]["method"], answer["usage"]["completion_tokens"]) == ("target", 7)
+    finally:
+        server.stop()
+
+
 def test_a_model_that_cannot_load_stops_the_server(tmp_path, tiny_pair_dirs):
     server = Server(tmp_path / "bad-model.log", draft_model=tiny_pair_dirs[0], target_model=tmp_path / "missing",
                     device="cpu")

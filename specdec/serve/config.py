@@ -7,6 +7,7 @@ limits are never overridden by a request.
 
 import difflib
 import importlib
+import ipaddress
 import logging
 import os
 import re
@@ -27,7 +28,12 @@ CONFIG_ENV = "SPECDEC_CONFIG"
 logger = logging.getLogger(__name__)
 ADAPTIVE = "adaptive"
 NONE = ("none", "null")  # besides "auto" or "adaptive", the words for a setting's automatic value
-ORIGIN = re.compile(r"https?://[^/\s,:]+(:\d{1,5})?")  # a web origin, as a browser sends it in Origin
+# a web origin, as a browser sends it in Origin: a host name, an IPv4 address or a bracketed IPv6 one, and a port
+ORIGIN = re.compile(r"https?://(\[[0-9A-Fa-f:.]+\]|[^/\s,:\[\]]+)(:(?P<port>\d{1,5}))?")
+HOST = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")  # a host name (or an IPv4 address)
+# the longest any timeout may be: a day's timeouts are already beyond any client's; much longer overflow the
+# waits that take them (a thread's wait refuses more than about 9.2e9 s)
+MAX_SECONDS = 1_000_000
 # draft_confidence_threshold "auto" for the default pair (measured, bench/README.md "Draft-confidence stop"); other
 # pairs, and pairs a custom loader gives, keep 0 (the draft always drafts gamma tokens)
 DEFAULT_PAIR_CONFIDENCE_THRESHOLD = 0.6
@@ -76,13 +82,13 @@ class Settings(BaseModel):
     max_prompt_tokens: int = Field(ge=1)
     max_prompts_per_request: int = Field(ge=1, le=1024)  # /v1: choices in one request (prompts times n)
     queue_size: int = Field(ge=0)
-    queue_timeout: float = Field(gt=0, allow_inf_nan=False)
-    request_timeout: float = Field(gt=0, allow_inf_nan=False)
+    queue_timeout: float = Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)
+    request_timeout: float = Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)
     stream_interval: float = Field(ge=0, le=1, allow_inf_nan=False)
     max_body_bytes: int = Field(ge=1024)
     retry_after: int = Field(ge=1)
-    header_timeout: float = Field(gt=0, allow_inf_nan=False)
-    body_timeout: float = Field(gt=0, allow_inf_nan=False)
+    header_timeout: float = Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)
+    body_timeout: float = Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)
     # a file of API keys, one a line ("" = none: no key needed); checked here, read again by auth.py
     api_keys_file: str
     metrics_public: bool
@@ -111,13 +117,29 @@ class Settings(BaseModel):
     @field_validator("device")
     @classmethod
     def _device(cls, value: str) -> str:
-        if value.strip().lower() != "auto":
-            import torch  # only here, as `confidence_threshold` imports the model sources (and torch) only there
+        """The device as the loader takes it (surrounding spaces dropped, `auto` in any case); whether this machine
+        has it is checked where the models load (the master never touches the GPU)."""
+        value = value.strip()
+        if value.lower() == "auto":
+            return "auto"
+        import torch  # only here, as `confidence_threshold` imports the model sources (and torch) only there
 
-            try:
-                torch.device(value.strip())
-            except (RuntimeError, TypeError):
-                raise ValueError("must be auto, cpu, cuda, cuda:N or another device torch names") from None
+        try:
+            torch.device(value)
+        except (RuntimeError, TypeError):
+            raise ValueError("must be auto, cpu, cuda, cuda:N or another device torch names") from None
+        return value
+
+    @field_validator("host")
+    @classmethod
+    def _host(cls, value: str) -> str:
+        value = value.strip()
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            if not HOST.fullmatch(value):
+                raise ValueError("must be a host name or an IP address (an IPv6 address without brackets: ::1)") \
+                    from None
         return value
 
     @field_validator("gamma", mode="before")
@@ -146,7 +168,7 @@ class Settings(BaseModel):
     @classmethod
     def _origins(cls, value: str) -> str:
         for origin in cors_origins(value):
-            if origin != "*" and not ORIGIN.fullmatch(origin):
+            if origin != "*" and (not (match := ORIGIN.fullmatch(origin)) or int(match["port"] or 0) > 65535):
                 raise ValueError(f"{origin!r} is not an origin: write scheme://host[:port] (no path), or * for any; "
                                  "several, comma-separated")
         return value
@@ -258,6 +280,8 @@ def _read_toml(path: Path, what: str) -> dict:
         raise ConfigError(f"{what} {path} does not exist") from None
     except (OSError, tomllib.TOMLDecodeError) as error:
         raise ConfigError(f"cannot read {what} {path}: {error}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"cannot read {what} {path}: it is not UTF-8 text") from None
 
 
 def _from_env(environ: Mapping[str, str]) -> dict:

@@ -314,7 +314,8 @@ def stage_int4(run: Run) -> dict:
         x = torch.randn(9, layer.in_features, device=device, dtype=layer.compute_dtype)
         alone = torch.cat([layer(x[i:i + 1]) for i in range(9)])
         row["rows_keep_their_bits"] = all(torch.equal(layer(x[:n]), alone[:n]) for n in (2, 5, 9))
-        prompt = torch.randint(0, draft.config.vocab_size, (run.args.context,)).tolist()
+        room = min(target.config.max_position_embeddings, draft.config.max_position_embeddings) - run.args.tokens
+        prompt = torch.randint(0, draft.config.vocab_size, (max(1, min(run.args.context, room)),)).tolist()
         decoder = SpeculativeDecoder(draft, target)
         outputs = {}
         for method in ("target", "google"):
@@ -374,7 +375,8 @@ def projection(report: dict, acceptance_length: float, gamma: int = 4) -> dict |
 
 def summary(report: dict) -> str:
     lines = [f"GPU run on {report['machine'].get('cuda') or report['machine']['cpu']} ({report['device']}), "
-             f"pair: {report.get('pair')}; skipped: {report['skipped'] or 'none'}"]
+             f"pair: {report.get('pair')}; skipped: {report['skipped'] or 'none'}; "
+             f"failed: {failed_stages(report) or 'none'}"]
     for name, row in report["stages"].items():
         lines.append(f"## {name}\n{json.dumps(row, indent=1, default=str)}")
     if report.get("projection"):
@@ -382,7 +384,15 @@ def summary(report: dict) -> str:
     return "\n".join(lines)
 
 
+def failed_stages(report: dict) -> list[str]:
+    """The stages that raised (each reported with its error), or whose rows did."""
+    return [name for name, row in report["stages"].items()
+            if "error" in row or any(isinstance(part, dict) and "error" in part for part in row.values())]
+
+
 def main(argv=None) -> int:
+    """Runs every stage asked for (one that fails is reported and the next still runs); exit status 1 if any
+    failed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="the tests' tiny pair and tiny random shapes")
     parser.add_argument("--shapes", default=None, help="draft/ and target/ folders: configs and tokenizer")
@@ -395,6 +405,11 @@ def main(argv=None) -> int:
     parser.add_argument("--acceptance-length", type=float, default=4.0)
     parser.add_argument("--out", default="bench/results/gpu.json")
     args = parser.parse_args(argv)
+    if unknown := [name for name in args.stages.split(",") if name not in STAGES]:
+        parser.error(f"--stages: unknown {', '.join(unknown)} (choose from {', '.join(STAGES)})")
+    for name in ("context", "repeats", "tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
     with tempfile.TemporaryDirectory() as scratch:
         run = Run(args, Path(scratch))
         for name in args.stages.split(","):
@@ -416,7 +431,7 @@ def main(argv=None) -> int:
         run.report["projection"] = projection(run.report, args.acceptance_length)
         run.save()
     print(summary(run.report))
-    return 0
+    return 1 if failed_stages(run.report) else 0
 
 
 if __name__ == "__main__":

@@ -237,7 +237,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--pair", choices=("tiny", "default"), default="tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tokens", type=int, default=200)
@@ -257,6 +257,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if unknown := set(args.methods) - set(METHODS):
         parser.error(f"--methods: unknown {', '.join(sorted(unknown))} (choose from {', '.join(METHODS)})")
+    if unknown := set(args.paths) - {"eager", "compiled"}:
+        parser.error(f"--paths: unknown {', '.join(sorted(unknown))} (choose from eager, compiled)")
+    for name in ("tokens", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1")
     args.draft_quantization = args.draft_quantization or ("none" if args.pair == "tiny" else "auto")
     args.threads = args.threads or (1 if args.pair == "tiny" else 2)
     torch.set_num_threads(args.threads)

@@ -450,11 +450,13 @@ def test_bound_interpolates_between_integer_gammas():
 
 
 def test_gpu_script_smoke_on_cpu(tmp_path):
+    """The documented smoke run (the default context, longer than the tiny pair's: its int4 stage failed there,
+    found by the third audit, and the run still exited 0; a failed stage now exits 1)."""
     out = tmp_path / "gpu.json"
     done = subprocess.run([sys.executable, "-m", "bench.gpu", "--tiny", "--device", "cpu", "--budget", "900",
-                           "--context", "16", "--repeats", "1", "--tokens", "8", "--out", str(out)],
+                           "--repeats", "1", "--tokens", "8", "--out", str(out)],
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     stages = report["stages"]
     assert report["skipped"] == [] and list(stages) == list(gpu.STAGES)
@@ -479,6 +481,31 @@ def test_gpu_script_smoke_on_cpu(tmp_path):
     int4 = stages["int4"]["target-7b"]  # the tiny shape's layers, on the int4 kernel's CPU twin
     assert int4["layers"] > 0 and int4["rows_keep_their_bits"] and int4["greedy_google_equals_target"]
     assert all(ms > 0 for ms in int4["int4_ms_by_width"].values())
+
+
+def test_gpu_script_exits_1_when_a_stage_fails_and_refuses_bad_flags(tmp_path, monkeypatch, capsys):
+    def broken(run):
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setitem(gpu.STAGES, "hf", (broken, 0))
+    assert gpu.main(["--tiny", "--device", "cpu", "--stages", "hf", "--out", str(tmp_path / "gpu.json")]) == 1
+    assert "failed: ['hf']" in capsys.readouterr().out
+    for flags, words in ((["--stages", "forwards,bogus"], "--stages: unknown bogus"),
+                         (["--repeats", "0"], "--repeats must be at least 1")):
+        with pytest.raises(SystemExit) as raised:
+            gpu.main(["--tiny", "--device", "cpu", *flags])
+        assert raised.value.code == 2 and words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, words", [(["--paths", "foo"], "--paths: unknown foo"),
+                                          (["--repeats", "0"], "--repeats must be at least 1"),
+                                          (["--tokens", "0"], "--tokens must be at least 1")])
+def test_overhead_benchmark_refuses_bad_flags_before_loading(flags, words, capsys):
+    from bench import overhead
+
+    with pytest.raises(SystemExit) as raised:
+        overhead.main(flags)
+    assert raised.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_gpu_script_builds_a_random_pair_from_shapes(tmp_path, tiny_pair_dirs):

@@ -116,6 +116,12 @@ def _as_ids(value) -> list[int]:
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
+def seeded_generator(seed: int) -> torch.Generator:
+    """A request's generator: its 64-bit seed mixed by splitmix64 first, since torch's CPU generator keeps only the
+    low 32 bits of the seed it is given (seeds 2**32 apart drew the same samples)."""
+    return torch.Generator(device="cpu").manual_seed(splitmix64(seed))
+
+
 def position_generator(seed: int, position: int) -> torch.Generator:
     """A generator for the draws at one sequence position, derived from (seed, position) by splitmix64: the
     draws at a position then do not depend on how many were made before it."""
@@ -140,7 +146,7 @@ class _Request:
         self.max_new_tokens = params.max_new_tokens
         self.limit = limit
         self.seed = seed
-        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.generator = seeded_generator(seed)
         self.eos = eos
         self.sources: list[str] = []
         self.vocab_size = vocab_size  # logprobs are over the shared vocabulary, as tokens are drawn from it

@@ -88,7 +88,7 @@ def test_penalty_flags_change_the_text_and_keep_greedy_equivalence(pair_args, ca
 
 
 def test_min_tokens_flag_decodes_at_least_that_many_tokens_with_every_method(pair_args, capsys):
-    sampled = pair_args + ["-s", "2", "--temperature", "1", "-M", "40", "--method"]  # this draw ends at EOS early
+    sampled = pair_args + ["-s", "17", "--temperature", "1", "-M", "40", "--method"]  # this draw ends at EOS early
     assert main(sampled + ["target"]) == 0
     assert "40 tokens |" not in capsys.readouterr().out
     assert main(sampled + ["all", "--min_tokens", "40"]) == 0
@@ -185,10 +185,10 @@ def test_the_benchmark_times_each_method_after_a_warm_up_of_its_own(pair_args, c
         return generate(self, *args, params=params, **kwargs)
 
     monkeypatch.setattr(SpeculativeDecoder, "generate", recorded)
-    assert main(pair_args + ["-b", "--repeats", "2", "--method", "google", "-M", "6"]) == 0
+    assert main(pair_args + ["-b", "--repeats", "2", "--method", "google", "-M", "6", "-s", "5"]) == 0
     table = capsys.readouterr().out.split("== benchmark", 1)[1].splitlines()
-    assert calls == [("google", 7), ("target", 9), ("target", 7), ("target", 8), ("google", 9), ("google", 7),
-                     ("google", 8)]  # the completion, then each row: its warm-up (seed 7 + 2), its two runs
+    assert calls == [("google", 5), ("target", 7), ("target", 5), ("target", 6), ("google", 7), ("google", 5),
+                     ("google", 6)]  # the completion, then each row: its warm-up (seed 5 + 2), its two runs
     assert [row.split()[:2] for row in table[2:]] == [["target", "12"], ["google", "12"]]  # 2 runs of 6 tokens
 
 

@@ -3,6 +3,7 @@
 out of memory, an error after a stream started) and a short soak (no descriptor or thread growth)."""
 
 import json
+import re
 import socket
 from urllib.parse import urlsplit
 
@@ -64,6 +65,7 @@ def test_what_gunicorn_cannot_parse_is_answered_in_json(server, good_answer, hea
     headers, _, body = rest.partition(b"\r\n\r\n")
     assert status_line.split()[1] == str(status).encode(), answer[:300]
     assert b"content-type: application/json" in headers.lower(), answer[:300]
+    assert re.search(rb"\r\nx-request-id: [0-9a-f]{32}(\r\n|$)", b"\r\n" + headers.lower()), headers  # the third audit
     error = json.loads(body)["error"]
     assert error["type"] == kind and error["message"] and error["field"] is None, error
     assert server.post(GOOD).json()["text"] == good_answer

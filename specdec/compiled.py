@@ -285,9 +285,10 @@ def cache_for(model, needed: int, prompt: list[int] | None = None, reused: Dynam
     return CachedModel(model, reused)
 
 
-def compile_model(model, device: torch.device) -> bool:
+def compile_model(model, device: torch.device, role: str | None = None) -> bool:
     """Give `model` its compiled form (`model.specdec_static`) and compile every width. Returns whether it did: a
-    model whose forward cannot be compiled whole (one warning says why) keeps the eager path.
+    model whose forward cannot be compiled whole (one warning says why, naming the model's `role`) keeps the eager
+    path.
 
     The model's attention goes back to the library's sdpa first: ours (specdec.cpu.attention) decides per call
     from the mask's values, which a compiled graph cannot. Our few-rows linear layers stay: their operator has a
@@ -307,8 +308,10 @@ def compile_model(model, device: torch.device) -> bool:
         if ours:
             use_gqa_attention(model)  # its eager forwards row-invariant again
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        logger.warning("%s cannot be compiled whole (%s); it stays eager", type(model).__name__, reason,
-                       exc_info=logger.isEnabledFor(logging.DEBUG))
+        if any(type(module).__module__.startswith("torch.ao.nn.quantized") for module in model.modules()):
+            reason += "; torch's int8 layers do not compile: draft_quantization int4 or none does"
+        logger.warning("%s (%s) cannot be compiled whole (%s); it stays eager", f"the {role}" if role else "the model",
+                       type(model).__name__, reason, exc_info=logger.isEnabledFor(logging.DEBUG))
         return False
     model.specdec_static = static
     return True

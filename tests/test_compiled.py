@@ -513,6 +513,32 @@ def test_load_pair_compiles_and_logs_the_seconds(tiny_pair_dirs, caplog):
     assert not hasattr(eager_target, "specdec_static")  # auto: off on CPU
 
 
+def test_a_draft_that_cannot_compile_is_named_and_logged_as_eager(tiny_pair_dirs, caplog, monkeypatch):
+    """The third audit: an int8 draft's failed compile was logged as the model's class, then as "compiled the
+    draft's forwards ... (not compiled: it stays eager)". The warning now names the draft and says why, and the
+    start-up line says it stays eager."""
+    import logging
+
+    import specdec.compiled as compiled_module
+    from specdec import load_pair
+
+    class Refused(compiled_module.StaticDecoding):
+        def warm_up(self):
+            raise RuntimeError("Failed to convert args/kwargs to proxy")
+
+    monkeypatch.setattr(compiled_module, "StaticDecoding", Refused)  # as torch refuses the int8 draft (slow to try)
+    with caplog.at_level(logging.INFO, logger="specdec"):
+        draft, target, _ = load_pair(*tiny_pair_dirs, device="cpu", compile=True, draft_quantization="int8")
+    assert not hasattr(draft, "specdec_static") and not hasattr(target, "specdec_static")
+    messages = [record.getMessage() for record in caplog.records]
+    assert any(m.startswith("the draft (LlamaForCausalLM) cannot be compiled whole (Failed to convert") and
+               "torch's int8 layers do not compile" in m for m in messages), messages
+    assert any(m.startswith("the target (LlamaForCausalLM) cannot be compiled whole") and "int8" not in m
+               for m in messages), messages
+    assert any(m.startswith("start-up: tried to compile the draft's forwards: it stays eager in ") for m in messages)
+    assert not any("compiled the draft" in m for m in messages)
+
+
 @pytest.mark.usefixtures("clean_env")
 def test_the_service_compiles_before_it_is_ready_and_serves_greedy_target_only(tiny_pair_dirs, caplog):
     import logging

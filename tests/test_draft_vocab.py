@@ -186,3 +186,30 @@ def test_the_draft_keeps_a_float_head_of_another_kind_whole(caplog):
     model.lm_head.out_features = 64
     assert limit_draft_vocab(model, _Tokenizer([]), 16) == 0
     assert "keeps its whole vocabulary" in caplog.text
+
+
+@pytest.mark.parametrize("draft_quantization", ["none", "int8", "int4"])
+def test_every_form_the_cpu_draft_takes_is_cut(tiny_pair_dirs, draft_quantization):
+    """The third audit: with the CPU kernels the float draft's head is the few-rows kernel's, and the int8 draft's
+    torch's int8 layer, and neither was cut (a warning, the whole vocabulary). Both are now, their rows' logits
+    the whole head's, and greedy speculative output stays target-only's."""
+    from specdec import load_pair
+
+    draft_dir, target_dir = tiny_pair_dirs
+    whole, _, _ = load_pair(draft_dir, target_dir, device="cpu", draft_quantization=draft_quantization,
+                            draft_vocab_size=0)
+    draft, target, tokenizer = load_pair(draft_dir, target_dir, device="cpu", draft_quantization=draft_quantization,
+                                         draft_vocab_size=40)
+    head = draft.get_output_embeddings()
+    assert isinstance(head, PartialHead) and 40 <= head.rows < head.out_features
+    assert type(head.parts[0]) is type(whole.get_output_embeddings()) or draft_quantization == "int4"
+    x = torch.randn(2, head.in_features)
+    full, out = whole.get_output_embeddings()(x), head(x)
+    for start, part in zip(head.starts, head.parts):
+        torch.testing.assert_close(out[:, start:start + part.out_features], full[:, start:start + part.out_features],
+                                   rtol=1e-5, atol=1e-5)
+    decoder = SpeculativeDecoder(draft, target, tokenizer)
+    prompt = tokenizer.encode("def add(a, b):\n    return a + b\n\ndef add(a, b):")
+    reference = decoder.generate(prompt, max_new_tokens=30, method="target", temperature=0, eos_token_id=[])
+    assert decoder.generate(prompt, max_new_tokens=30, method="google", gamma=4, temperature=0,
+                            eos_token_id=[]).token_ids == reference.token_ids

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..cpu.grouped import TILE, GroupedLinear, Tiled
+from ..cpu.linear import FewRowsLinear
 from ..errors import SpecDecError
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,9 @@ class PartialHead(nn.Module):
         self.starts = [start for start, _ in ranges]
         if type(head) is GroupedLinear:
             self.parts = nn.ModuleList(_grouped_rows(head, start, stop) for start, stop in ranges)
-        else:  # nn.Linear: its weight's rows as views (a tied embedding stays shared)
+        elif _is_int8(head):
+            self.parts = nn.ModuleList(_int8_rows(head, start, stop) for start, stop in ranges)
+        else:  # nn.Linear, or the few-rows kernel's: its weight's rows as views (a tied embedding stays shared)
             parts = []
             for start, stop in ranges:
                 part = nn.Linear(head.in_features, stop - start, bias=head.bias is not None,
@@ -83,7 +86,7 @@ class PartialHead(nn.Module):
                 part.weight = nn.Parameter(head.weight[start:stop], requires_grad=False)
                 if head.bias is not None:
                     part.bias = nn.Parameter(head.bias[start:stop], requires_grad=False)
-                parts.append(part)
+                parts.append(FewRowsLinear(part) if type(head) is FewRowsLinear else part)
             self.parts = nn.ModuleList(parts)
 
     @property
@@ -102,15 +105,36 @@ class PartialHead(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, computed: {spans}"
 
 
+def _is_int8(head: nn.Module) -> bool:
+    """Whether `head` is torch's int8 linear layer (the int8 draft's, cpu/linear.py)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    return type(head) is DynamicQuantizedLinear
+
+
+def _int8_rows(head: nn.Module, start: int, stop: int) -> nn.Module:
+    """Rows start..stop of torch's int8 linear layer: its int8 weight's rows (per-row scales) packed again. The
+    activations are quantized per forward with one scale, the same in every part: the rows' logits are the
+    whole layer's."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    weight, bias = head._packed_params._weight_bias()
+    part = DynamicQuantizedLinear(1, 1, bias_=bias is not None, dtype=torch.qint8)  # packed again just below
+    part.in_features, part.out_features = head.in_features, stop - start
+    part.set_weight_bias(weight[start:stop], None if bias is None else bias[start:stop])
+    return part
+
+
 def partial_head(head: nn.Module, tokenizer, size: int) -> PartialHead | None:
     """`head` over its first `size` ids and the tokenizer's special tokens, or None where `size` leaves none out or
-    the head is not a grouped or a float linear one (said in a warning)."""
+    the head is of another kind than a grouped, float (the few-rows kernel's too) or int8 linear one (said in a
+    warning)."""
     vocab = getattr(head, "out_features", None)
     if size <= 0 or vocab is None or size >= vocab:
         return None
-    if type(head) not in (GroupedLinear, nn.Linear):
-        logger.warning("draft_vocab_size applies to a grouped or float output layer; the draft's is %s: it keeps "
-                       "its whole vocabulary", type(head).__name__)
+    if type(head) not in (GroupedLinear, nn.Linear, FewRowsLinear) and not _is_int8(head):
+        logger.warning("draft_vocab_size applies to a grouped, float or int8 output layer; the draft's is %s.%s: "
+                       "it keeps its whole vocabulary", type(head).__module__, type(head).__name__)
         return None
     align = TILE if type(head) is GroupedLinear else 1
     special = [i for i in getattr(tokenizer, "added_tokens_decoder", {}) if i >= size]

@@ -184,7 +184,8 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     if compiled:
         for role, model in (("draft", draft_model), ("target", target_model)):
             with startup_step(f"compiled the {role}'s forwards of 1 to {MAX_WIDTH} tokens") as note:
-                compiled_here = compile_model(model, device)
-                note["detail"] = f"static cache of {model.specdec_static.max_len} tokens" if compiled_here \
-                    else "not compiled: it stays eager"
+                if compile_model(model, device, role):
+                    note["detail"] = f"static cache of {model.specdec_static.max_len} tokens"
+                else:  # the warning before this line says why
+                    note["what"] = f"tried to compile the {role}'s forwards: it stays eager"
     return draft_model, target_model, tokenizer

@@ -22,6 +22,7 @@ entry's keys and values copied in (`claim`): conversations taking turns each fin
 
 import logging
 import types
+import weakref
 
 import torch
 from transformers import DynamicCache, StaticCache
@@ -64,13 +65,18 @@ def resolve_compile(value, device: torch.device) -> bool:
 
 class StaticDecoding:
     """One model's compiled form: its static cache and its compiled step. Requests take turns with the cache
-    (`claim`); a cache a newer request has claimed refuses the older one's forwards instead of mixing them."""
+    (`claim`); a cache a newer request has claimed refuses the older one's forwards instead of mixing them. While a
+    request holds it (`busy`: it has neither ended nor been dropped), another that starts beside it (two streams
+    of one decoder read in turn) decodes on a dynamic cache instead (`cache_for`)."""
 
     def __init__(self, model, max_len: int, cuda_graphs: bool):
         self.model = model
         self.max_len = max_len
         self.cache = StaticCache(config=model.config, max_cache_len=max_len)
-        self.owner: object | None = None
+        # the latest claim's owner: a request's cache by a weak reference (a request dropped unended frees the
+        # cache), another owner (the warm-up's) as it is; `_released` once its request has ended
+        self._owner: weakref.ref | object | None = None
+        self._released = True
         # the token ids whose keys and values the cache holds, left by the last request that kept them (`hold`)
         self.held: list[int] = []
         # only full-attention layers keep every position: a sliding-window (or recurrent) layer forgets what left
@@ -101,7 +107,8 @@ class StaticDecoding:
         prefix of it that the cache holds, at most all but its last token (whose logits the prefill must give);
         where `reused` (a prompt-cache entry's cache, holding such a prefix) holds a longer one, its keys and values
         written over the cache's. The number of tokens kept."""
-        self.owner = owner
+        self._owner = weakref.ref(owner) if isinstance(owner, StaticCachedModel) else owner
+        self._released = owner is None
         length = int(self.cache.get_seq_length())
         keep = 0
         if prompt is not None and self.reusable:
@@ -120,6 +127,21 @@ class StaticDecoding:
         for index, layer in enumerate(cache.layers):
             self.cache.update(layer.keys, layer.values, index)
         return int(self.cache.get_seq_length())
+
+    @property
+    def owner(self) -> object | None:
+        """Whose the cache is: the latest claim's owner, while it exists."""
+        return self._owner() if isinstance(self._owner, weakref.ref) else self._owner
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request holds the cache: it claimed it and has neither released it nor been dropped."""
+        return not self._released and isinstance(self._owner, weakref.ref) and self._owner() is not None
+
+    def release(self, owner: object) -> None:
+        """`owner`'s request has ended: the cache is free for the next (what it holds stays, `hold`)."""
+        if owner is self.owner:
+            self._released = True
 
     def overwritten_by(self, prompt: list[int]) -> bool:
         """Whether a request for `prompt` that takes this cache writes over some of what it holds."""
@@ -269,17 +291,23 @@ class StaticCachedModel(CachedModel):
         self.static.hold(self, token_ids[: self._length])
         self._length = min(self._length, len(token_ids))
 
+    def release(self) -> None:
+        """The request has ended: another may take the static cache."""
+        self.static.release(self)
+
 
 def takes_static_cache(model, needed: int) -> bool:
-    """Whether a request that may hold `needed` tokens decodes `model` on its static cache (`cache_for`)."""
+    """Whether a request that may hold `needed` tokens decodes `model` on its static cache (`cache_for`): it has
+    one that holds them, and no other request holds it now."""
     static = getattr(model, "specdec_static", None)
-    return static is not None and needed <= static.max_len
+    return static is not None and needed <= static.max_len and not static.busy
 
 
 def cache_for(model, needed: int, prompt: list[int] | None = None, reused: DynamicCache | None = None) -> CachedModel:
     """The model's cache for a request that may hold `needed` tokens: its static cache where it has a compiled
-    form that holds them (with `prompt`, starting from the longest prefix of it that the cache or `reused`, a
-    prompt-cache entry's cache, holds), else a dynamic one (`reused`, or a new one)."""
+    form that holds them and no other request holds it (with `prompt`, starting from the longest prefix of it
+    that the cache or `reused`, a prompt-cache entry's cache, holds), else a dynamic one (`reused`, or a new one),
+    decoded eagerly. The request releases a static cache when it ends (`StaticCachedModel.release`)."""
     if takes_static_cache(model, needed):
         return StaticCachedModel(model.specdec_static, prompt, reused)
     return CachedModel(model, reused)

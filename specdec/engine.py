@@ -482,8 +482,13 @@ class SpeculativeDecoder:
             else:
                 yield from self._autoregress(req, probs)
         finally:  # also when abandoned (closed at a round's end) or failed
-            if req.cache_prompt:
-                self._keep(req)
+            try:
+                if req.cache_prompt:
+                    self._keep(req)
+            finally:
+                for model in req.caches.values():
+                    if isinstance(model, StaticCachedModel):
+                        model.release()
         result = req.result()
         logger.debug("generate done: %s", result.stats)
         return result

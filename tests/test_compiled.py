@@ -247,15 +247,51 @@ def test_requests_use_the_static_cache_and_its_rollback_moves_the_position(greed
     assert torch.allclose(torch.cat((first, again)), plain, atol=1e-5)
 
 
-def test_a_newer_request_takes_the_static_cache_and_the_older_one_is_refused(greedy_pairs):
+def test_a_newer_claim_takes_the_static_cache_and_the_older_one_is_refused(greedy_pairs):
     _, (_, target) = greedy_pairs
     older = cache_for(target, 50)
     older.forward([1, 2, 3])
+    older.release()
     newer = cache_for(target, 50)
-    assert newer.length == 0 and int(newer.cache.get_seq_length()) == 0
+    assert isinstance(newer, StaticCachedModel) and newer.length == 0 and int(newer.cache.get_seq_length()) == 0
     with pytest.raises(SpecDecError, match="taken by a newer request"):
         older.forward([4])
     newer.forward([1, 2, 3])
+
+
+def test_a_request_beside_one_that_holds_the_static_cache_takes_a_dynamic_one(greedy_pairs):
+    _, (_, target) = greedy_pairs
+    first = cache_for(target, 50)
+    assert isinstance(first, StaticCachedModel) and target.specdec_static.busy
+    beside = cache_for(target, 50)
+    assert type(beside) is CachedModel  # eager, on its own cache
+    first.release()
+    assert not target.specdec_static.busy and isinstance(cache_for(target, 50), StaticCachedModel)
+    del first
+    assert not target.specdec_static.busy  # a request's cache dropped without release frees it too
+
+
+@pytest.mark.parametrize("method", ["target", "google"])
+def test_two_streams_of_one_compiled_decoder_read_in_turn_decode_as_each_alone(greedy_pairs, method):
+    """The third audit: on the compiled path a second open stream took the first's static cache, and the first
+    then failed ("taken by a newer request"), where the eager path interleaves. The second now decodes eagerly on
+    a dynamic cache while the first holds the static one, and each gives what it gives alone."""
+    (draft, target), (fast_draft, fast_target) = greedy_pairs
+    forget_held(fast_draft, fast_target)
+    eager, compiled = SpeculativeDecoder(draft, target), SpeculativeDecoder(fast_draft, fast_target)
+    prompts = [[5, 17, 42, 8, 99, 3], [7, 7, 1, 2, 60, 61, 62]]
+    params = {"max_new_tokens": 24, "method": method, "temperature": 0, "eos_token_id": []}
+    alone = [eager.generate(prompt, **params).token_ids for prompt in prompts]
+    streams = [compiled.stream(prompt, **params) for prompt in prompts]
+    tokens = [[], []]
+    for _ in range(60):  # in turn, a round each
+        for i, stream in enumerate(streams):
+            tokens[i] += next(stream, None).token_ids if len(tokens[i]) < 24 else []
+    assert tokens == alone
+    for stream in streams:
+        stream.close()
+    assert not fast_target.specdec_static.busy and not fast_draft.specdec_static.busy
+    assert compiled.generate(prompts[1], **params).token_ids == alone[1]  # the static cache again
 
 
 def test_a_request_longer_than_the_static_cache_takes_the_dynamic_cache(greedy_pairs):
@@ -426,14 +462,22 @@ def test_a_request_that_fails_mid_forward_leaves_nothing_held(greedy_pairs, monk
         CHAT + [1, 2], max_new_tokens=8, method="target", temperature=0, eos_token_id=[]).token_ids
 
 
-def test_an_older_request_ending_after_a_newer_one_claimed_the_cache_leaves_the_newer_ones(greedy_pairs):
-    _, (fast_draft, fast_target) = greedy_pairs
+def test_a_request_beside_an_open_one_leaves_it_the_static_cache_and_feeds_the_prompt_cache(greedy_pairs):
+    """A request that starts while another holds the static cache (an open stream) decodes on dynamic caches,
+    which go to the prompt cache when it ends; the open one keeps the static cache, which holds its tokens."""
+    (draft, target), (fast_draft, fast_target) = greedy_pairs
+    forget_held(fast_draft, fast_target)
     compiled = SpeculativeDecoder(fast_draft, fast_target, prompt_cache_bytes=PROMPT_CACHE_BYTES)
-    older = compiled.stream(CHAT, max_new_tokens=8, method="target", temperature=0, eos_token_id=[])
-    next(older)
-    newer = compiled.generate(CHAT[:5], max_new_tokens=4, method="target", temperature=0, eos_token_id=[])
-    older.close()  # abandoned: it ends holding nothing of its own
-    assert fast_target.specdec_static.held == (CHAT[:5] + newer.token_ids)[:-1]
+    greedy = {"method": "target", "temperature": 0, "eos_token_id": []}
+    older = compiled.stream(CHAT, max_new_tokens=8, **greedy)
+    first = next(older)
+    newer = compiled.generate(CHAT[:5], max_new_tokens=4, **greedy)
+    assert newer.token_ids == SpeculativeDecoder(draft, target).generate(CHAT[:5], max_new_tokens=4,
+                                                                         **greedy).token_ids
+    older.close()  # abandoned after its first round: the static cache holds what it committed
+    assert fast_target.specdec_static.held == (CHAT + first.token_ids)[:-1]
+    follow_up = CHAT[:5] + newer.token_ids
+    assert compiled.generate(follow_up, max_new_tokens=2, **greedy).stats.cached_tokens == len(follow_up) - 1
 
 
 def test_a_sliding_window_cache_is_never_started_from_a_prefix():

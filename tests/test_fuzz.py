@@ -9,11 +9,14 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
+from specdec.errors import SpecDecError
 from specdec.serve import create_app
 from specdec.serve.errors import ApiError
+from specdec.serve.openai_protocol import TokenizeRequest
 from specdec.serve.openapi import FINISH_REASONS
-from specdec.serve.protocol import parse_predict
+from specdec.serve.structured import ResponseFormat, StructuredOutputs, request_constraint
 from tests.support.bad_requests import LEAKS
 from tests.support.models import specdec_env_cleared
 
@@ -159,37 +162,40 @@ def test_schemathesis_against_the_openapi_document(app, mode):
     statuses = []
 
     service = app.extensions["specdec"]
+    vocab = service.decoder.vocab_size
 
-    def compiles(body) -> bool:
-        """Whether the body's structured output compiles: the document cannot say which regexes, grammars and
-        schemas do, nor that exactly one structured output is given."""
+    def stated(body) -> bool:
+        """Whether the body is free of what the document cannot state (each refused with a 4xx naming its field):
+        whether its regex, grammar or schema compiles, logit_bias keys as ids of the vocabulary (OpenAPI 3.0 can
+        say neither that its keys are digits nor how many tokens there are), and rules across fields: min_tokens
+        at most max_new_tokens; response_format and structured_outputs not both; ignore_eos, stop_token_ids and
+        min_tokens not beside a constraint. Exactly one structured output, response_format's json_schema with its
+        type, and the token ids' bound are the document's: a body valid by it that breaks them fails the test."""
+        so, rf = body.get("structured_outputs"), body.get("response_format")
+        structured = StructuredOutputs.model_validate(so) if so is not None else None
+        response_format = ResponseFormat.model_validate(rf) if rf is not None else None
+        formats = response_format is not None and response_format.type != "text"
+        constrained = structured is not None or formats
+        bias, stops = body.get("logit_bias") or {}, body.get("stop_token_ids") or []
+        room = body.get("max_new_tokens") or service.settings.max_new_tokens
+        least = body.get("min_tokens") or 0
+        if not all(key.isascii() and key.isdigit() and int(key) < vocab for key in bias) or least > room:
+            return False
+        if constrained and (structured is not None and formats or body.get("ignore_eos") or stops or least):
+            return False
         try:
-            service.grammar(parse_predict(body, service.settings).constraint)
-        except ApiError:
+            service.grammar(request_constraint(response_format, structured))
+        except (ApiError, SpecDecError):  # a regex, grammar or schema that does not compile
             return False
         # the tiny tokenizer spells printable ASCII and newlines only: a constraint whose strings need other
         # characters can lead the grammar where no token goes on (a 422 saying so, not a 200)
-        constraint = json.dumps([body.get("structured_outputs"), body.get("response_format")])
+        constraint = json.dumps([so, rf])
         return constraint.isascii() and "\\u" not in constraint
-
-    def in_vocabulary(body) -> bool:
-        """Whether a logit_bias and stop_token_ids name token ids of the served vocabulary (OpenAPI 3.0 can say
-        neither that its keys are digits nor how many tokens there are), the stop tokens not beside a constraint;
-        and min_tokens fits max_new_tokens, not beside a constraint either."""
-        bias, stops = body.get("logit_bias") or {}, body.get("stop_token_ids") or []
-        constrained = body.get("structured_outputs") or (body.get("response_format") or {}).get("type") not in (
-            None, "text")
-        room = body.get("max_new_tokens") or service.settings.max_new_tokens
-        least = body.get("min_tokens") or 0  # at most max_new_tokens (a rule across fields), not beside a constraint
-        return (all(key.isascii() and key.isdigit() and int(key) < service.decoder.vocab_size for key in bias)
-                and all(token < service.decoder.vocab_size for token in stops) and not (stops and constrained)
-                and least <= room and not (least and constrained))
 
     @settings(FUZZ, max_examples=100)
     @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
     def check(case):
-        if mode == "positive" and isinstance(case.body, dict) and not (compiles(case.body)
-                                                                       and in_vocabulary(case.body)):
+        if mode == "positive" and isinstance(case.body, dict) and not stated(case.body):
             reject()
         response = case.call()
         statuses.append(response.status_code)
@@ -201,3 +207,45 @@ def test_schemathesis_against_the_openapi_document(app, mode):
     for path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):  # no inputs: one call each
         case = schema[path]["GET"].Case()
         case.validate_response(case.call())
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_schemathesis_against_the_tokenizer_routes(app, path, mode):
+    """/tokenize and /detokenize as the document describes them: valid requests get 200 (prompt or messages, the
+    fields that go with messages only, the served model, token ids of the vocabulary are the document's), invalid
+    ones a 4xx, and every answer matches the document."""
+    schemathesis = pytest.importorskip("schemathesis")
+    operation = schemathesis.openapi.from_wsgi("/openapi.json", app)[path]["POST"]
+    service = app.extensions["specdec"]
+
+    def stated(body) -> bool:
+        """Whether a conversation is free of what the document cannot state: a message's rule across its fields
+        (refusal parts are an assistant's) and the chat template's (roles it refuses; continue_final_message
+        continues an assistant's message)."""
+        if body.get("messages") is None:
+            return True
+        try:
+            request = TokenizeRequest.model_validate(body)
+        except ValidationError as error:  # a message's own rule; the request's rules are the document's
+            return error.errors()[0]["loc"][:1] != ("messages",)
+        try:
+            service.tokenize(**request.encoding())
+        except ApiError as error:
+            return error.field not in ("messages", "continue_final_message")
+        return True
+
+    statuses = []
+
+    @settings(FUZZ, max_examples=50)
+    @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
+    def check(case):
+        if mode == "positive" and isinstance(case.body, dict) and not stated(case.body):
+            reject()
+        response = case.call()
+        statuses.append(response.status_code)
+        case.validate_response(response)
+        assert (response.status_code == 200) == (mode == "positive"), response.text[:500]
+
+    check()
+    assert statuses

@@ -824,7 +824,14 @@ class TokenizeRequest(_ChatTemplating):
     included). The prompt limits do not apply: the answer's count and max_model_len say whether a request would
     fit."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # the JSON schema states _prompt_or_messages' rule (/openapi.json: a request valid by it is taken)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"anyOf": [
+        {"required": ["prompt"], "properties": {
+            "prompt": {"type": "string"},
+            **{name: {"type": "null"} for name in ("messages", "tools", "add_generation_prompt",
+                                                   "continue_final_message")}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}},
+    ]})
 
     model: str | None = Field(None, description="the served model's id, as /v1/models lists it (optional)")
     prompt: Text | None = Field(None, description="text, encoded with the tokenizer's special tokens (as a "

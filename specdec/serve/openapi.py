@@ -132,9 +132,10 @@ def _ok(description: str, content: dict) -> dict:
     return {"description": description, "headers": _REQUEST_ID, "content": content}
 
 
-def openapi_document(settings: Settings, served_model: str | None = None) -> dict:
+def openapi_document(settings: Settings, served_model: str | None = None, vocab_size: int | None = None) -> dict:
     """The OpenAPI 3.0.3 document for a server running with `settings` (and serving `served_model`, once
-    loaded: the one model id the /v1 routes accept)."""
+    loaded: the one model id the /v1 routes accept, and its vocabulary of `vocab_size` tokens: the token ids
+    requests may name)."""
     json_of = lambda ref: {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}  # noqa: E731
     predict_responses = {
         "200": _ok("the completion: JSON, or with `stream` Server-Sent Events (`data: {...}` per round, then a "
@@ -150,8 +151,9 @@ def openapi_document(settings: Settings, served_model: str | None = None) -> dic
                       "draining after SIGTERM)", retry_after=True),
     }
     keyed = bool(settings.api_keys_file.strip())
-    openai_paths, openai_schemas = openai_document(settings, served_model, keyed)
+    openai_paths, openai_schemas = openai_document(settings, served_model, keyed, vocab_size)
     predict = request_schema(settings)
+    _in_vocabulary(predict["properties"]["stop_token_ids"], vocab_size)
     predict_parts = predict.pop("$defs", {})  # the shapes it shares with /v1 (response_format, ...)
     metrics_responses = {"200": _ok("Prometheus text format", {"text/plain": {"schema": {"type": "string"}}})}
     if keyed:  # auth.py: every route but the open ones needs a key
@@ -213,10 +215,11 @@ OPENAI_SSE_EVENT = {"type": "object", "required": ["data"],
                         "if decoding failed after the stream started")}}}
 
 
-def openai_document(settings: Settings, served_model: str | None, keyed: bool = False) -> tuple[dict, dict]:
+def openai_document(settings: Settings, served_model: str | None, keyed: bool = False,
+                    vocab_size: int | None = None) -> tuple[dict, dict]:
     """The /v1 paths and their schemas, generated from the pydantic models of openai_protocol.py (requests as
-    validated, answers as serialised), with this server's limits and model id patched in; `keyed`: API keys
-    are required (auth.py)."""
+    validated, answers as serialised), with this server's limits, model id and vocabulary size patched in;
+    `keyed`: API keys are required (auth.py)."""
     from pydantic.json_schema import models_json_schema
 
     from .openai_protocol import ANSWER_MODELS, REQUEST_MODELS
@@ -236,10 +239,16 @@ def openai_document(settings: Settings, served_model: str | None, keyed: bool = 
         _limit(props["n"], settings.max_prompts_per_request)
         if served_model is not None:
             props["model"]["enum"] = [served_model]
+        _in_vocabulary(props["stop_token_ids"], vocab_size)
+    _in_vocabulary(schemas["CompletionRequest"]["properties"]["prompt"], vocab_size)  # its token-id prompts
+    _in_vocabulary(schemas["DetokenizeRequest"]["properties"]["tokens"], vocab_size)
     for branch in schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
         if branch.get("items", {}).get("type") in ("string", "array"):  # several prompts
             branch["maxItems"] = settings.max_prompts_per_request
     schemas = {name: openapi30(schema) for name, schema in schemas.items()}
+    if served_model is not None:  # optional on the tokenizer routes: null (or left out) is the served model too
+        for name in ("TokenizeRequest", "DetokenizeRequest"):
+            schemas[name]["properties"]["model"]["enum"] = [served_model, None]
 
     ref = lambda name: {"application/json": {"schema": {"$ref": f"#/components/schemas/{name}"}}}  # noqa: E731
 
@@ -319,3 +328,16 @@ def _limit(prop: dict, maximum: int, default: str | None = None) -> None:
             branch["maximum"] = maximum
     if default:
         prop["description"] = f"{prop['description']}; {default}" if prop.get("description") else default
+
+
+def _in_vocabulary(prop: dict, vocab_size: int | None) -> None:
+    """The served vocabulary's bound on every token id a property's schema holds (its integers: the items of a
+    list of ids, or of lists of ids); none while the models load (`vocab_size` None)."""
+    if vocab_size is None:
+        return
+    if prop.get("type") == "integer":
+        prop["maximum"] = vocab_size - 1
+    for key in ("items", "anyOf"):
+        for part in (prop[key] if isinstance(prop.get(key), list) else [prop.get(key)]):
+            if isinstance(part, dict):
+                _in_vocabulary(part, vocab_size)

@@ -31,7 +31,10 @@ def metrics():
 
 @routes.get("/openapi.json")
 def openapi():
-    return openapi_document(service().settings, service().models.info.get("models", {}).get("target"))
+    svc = service()
+    decoder = svc.decoder  # None while the models load: the token ids' bound is then not known
+    return openapi_document(svc.settings, svc.models.info.get("models", {}).get("target"),
+                            decoder.vocab_size if decoder is not None else None)
 
 
 @routes.post("/predict")

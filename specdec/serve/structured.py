@@ -38,7 +38,12 @@ class JsonSchemaSpec(BaseModel):
 class ResponseFormat(BaseModel):
     """OpenAI's response_format: text (no constraint), json_object (any JSON object), json_schema."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # the JSON schema states _schema_with_its_type's rule (/openapi.json: a request valid by it is taken)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"anyOf": [
+        {"properties": {"type": {"enum": ["text", "json_object"]}, "json_schema": {"type": "null"}}},
+        {"required": ["json_schema"],
+         "properties": {"type": {"const": "json_schema"}, "json_schema": {"type": "object"}}},
+    ]})
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = Field(None, description="with type json_schema")
@@ -59,12 +64,30 @@ class ResponseFormat(BaseModel):
         return None
 
 
+# structured_outputs' constraints other than json_object, each with the JSON schema of its value (not null)
+CONSTRAINT_TYPES = {"json": {"anyOf": [{"type": "object"}, {"type": "string"}]}, "regex": {"type": "string"},
+                    "choice": {"type": "array"}, "grammar": {"type": "string"}}
+
+
+def _exactly_one_of(types: dict[str, dict]) -> list[dict]:
+    """JSON schemas of structured_outputs with exactly one constraint given: one of `types` not null (and
+    json_object not true), or json_object true (and the others null or left out)."""
+    null = {"type": "null"}
+    branches = [{"required": [name], "properties": {**{other: null for other in types if other != name},
+                                                    name: schema, "json_object": {"not": {"const": True}}}}
+                for name, schema in types.items()]
+    return branches + [{"required": ["json_object"],
+                        "properties": {**{name: null for name in types}, "json_object": {"const": True}}}]
+
+
 class StructuredOutputs(BaseModel):
     """vLLM's structured_outputs: exactly one of json (a JSON schema), regex (Rust's regex syntax), choice (one of
     these strings) or grammar (a Lark grammar as llguidance reads it, or llama.cpp's GBNF); json_object: any JSON
     object."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # the JSON schema states _exactly_one's rule (/openapi.json: a request valid by it is taken)
+    model_config = ConfigDict(extra="forbid", strict=True,
+                              json_schema_extra={"anyOf": _exactly_one_of(CONSTRAINT_TYPES)})
 
     json_: dict[str, Any] | str | None = Field(None, alias="json", description="a JSON schema (object or text)")
     regex: str | None = None

@@ -983,3 +983,15 @@ def test_one_process_benchmark_pairs_the_service_with_the_same_decode_run_direct
         assert row["pairs"] == 2 and 0 < row["vs_direct"] < 2 and 0 < row["engine_vs_direct"] < 2
         assert row["direct_tokens_per_second"] > 0 and row["ms_outside_engine"] > 0
     assert "| target | SSE |" in (tmp_path / "results.md").read_text()
+
+
+def test_split_benchmark_smoke_on_tiny_pair(tmp_path):
+    """bench/split.py: the engine in a second process, the front rendering its rounds; JSON and SSE answered and
+    paired with direct decodes (their texts are the front's own assembly of the engine's token ids)."""
+    done = subprocess.run([sys.executable, "-m", "bench.split", "--compile", "false", "--repeats", "1", "--tokens",
+                           "16", "--methods", "target,google", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert set(results) == {"target/json", "target/sse", "google/json", "google/sse"}
+    assert all(row["vs_direct"] > 0 and row["engine_vs_direct"] > 0 and row["pairs"] == 1 for row in results.values())

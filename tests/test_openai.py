@@ -1161,8 +1161,8 @@ def _rounds_per_generation(monkeypatch) -> list:
     """Every Generation.rounds call, by the generation it was called on."""
     from specdec.serve.generation import Generation
 
-    calls, rounds = [], Generation.rounds
-    monkeypatch.setattr(Generation, "rounds", lambda self, *args, **kwargs: calls.append(id(self))
+    calls, rounds = [], Generation.rounds  # the generations themselves: an id() may be reused once one is freed
+    monkeypatch.setattr(Generation, "rounds", lambda self, *args, **kwargs: calls.append(self)
                         or rounds(self, *args, **kwargs))
     return calls
 

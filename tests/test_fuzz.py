@@ -220,9 +220,9 @@ def test_schemathesis_against_the_tokenizer_routes(app, path, mode):
     service = app.extensions["specdec"]
 
     def stated(body) -> bool:
-        """Whether a conversation is free of what the document cannot state: a message's rule across its fields
-        (refusal parts are an assistant's) and the chat template's (roles it refuses; continue_final_message
-        continues an assistant's message)."""
+        """Whether a conversation is free of what the document cannot state: a message's text that Unicode cannot
+        hold (a lone surrogate) and the chat template's rules (roles it refuses; continue_final_message continues
+        an assistant's message)."""
         if body.get("messages") is None:
             return True
         try:

@@ -949,6 +949,21 @@ def test_the_document_states_that_json_schema_goes_with_its_type(document, respo
         assert taken_by_the_model(model, body) is valid, name
 
 
+REFUSAL_PART = {"type": "refusal", "refusal": "I cannot."}
+
+
+@pytest.mark.parametrize(("message", "valid"), [
+    ({"role": "assistant", "content": [REFUSAL_PART]}, True),
+    ({"role": "user", "content": [REFUSAL_PART]}, False),
+    ({"role": "system", "content": [{"type": "text", "text": "a"}, REFUSAL_PART]}, False),
+    ({"role": "user", "content": [{"type": "text", "text": "a"}]}, True), ({"role": "tool", "content": "a"}, True),
+])
+def test_the_document_states_that_refusal_parts_are_an_assistants(document, message, valid):
+    body = {"model": "target", "messages": [message]}
+    assert valid_by_the_document(document, "ChatCompletionRequest", body) is valid
+    assert taken_by_the_model(ChatCompletionRequest, body) is valid
+
+
 def test_the_document_bounds_token_ids_by_the_served_vocabulary(pair, document):
     app = make_app(pair)
     last = app.extensions["specdec"].decoder.vocab_size - 1

@@ -211,7 +211,12 @@ class ChatMessage(BaseModel):
     """One message of the conversation; it goes through the target's chat template (with an assistant's tool
     calls, and the tools' answers as role tool)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # the JSON schema states _refusals_are_the_assistants' rule (/openapi.json: a message valid by it is taken)
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"anyOf": [
+        {"properties": {"role": {"const": "assistant"}}},
+        {"properties": {"content": {"anyOf": [{"type": "string"}, {"type": "null"}, {
+            "type": "array", "items": {"$ref": "#/components/schemas/TextPart"}}]}}},
+    ]})
 
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
         description="developer is OpenAI's newer name for system, and goes to the template as system")

@@ -10,8 +10,13 @@ own options may still be overridden on its command line or in GUNICORN_CMD_ARGS.
 
 import os
 import sys
+from pathlib import Path
 
-from specdec.serve.config import ConfigError, load_settings
+# The repository's own code first: gunicorn runs in the directory it was started from (relative paths in settings
+# are read from there), whose own serving.py or specdec/ must not stand in for ours.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdec.serve.config import ConfigError, load_settings  # noqa: E402
 
 try:
     _settings = load_settings()

@@ -22,10 +22,12 @@ ENV DEBIAN_FRONTEND=noninteractive \
     SPECDEC_HOST=0.0.0.0 \
     SPECDEC_PORT=5000
 
-# Ubuntu's python3 (3.12) in a virtual environment; apt versions follow the base image's release.
+# Ubuntu's python3 (3.12) in a virtual environment; apt versions follow the base image's release. A C compiler and
+# Python's headers: on CUDA, `compile = "auto"` compiles the models (torch.compile, CUDA graphs), and Triton builds
+# its launcher with them at start-up; without them the models stay eager, several times slower a step.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/venv \
     && groupadd --gid 10001 specdec \

@@ -21,7 +21,7 @@ BIN = Path(sys.executable).parent  # the tools sit beside this interpreter
 # The oldest Kubernetes minor the manifests are meant for, and the newest schema kubernetes-validate ships.
 KUBERNETES_VERSIONS = ("1.31.0", "1.37.0")
 # Custom resources: kubernetes-validate has only the built-in kinds' schemas, so these are left out, by name.
-CUSTOM_RESOURCES = {("keda.sh/v1alpha1", "ScaledObject")}
+CUSTOM_RESOURCES = {("keda.sh/v1alpha1", "ScaledObject"), ("monitoring.coreos.com/v1", "PodMonitor")}
 
 
 def run(*command: str | Path, cwd: Path = ROOT) -> subprocess.CompletedProcess:

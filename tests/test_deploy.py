@@ -183,3 +183,30 @@ def test_kubernetes_gives_the_pod_no_service_links():
     with pytest.raises(ConfigError, match="SPECDEC_PORT"):
         settings_of({**image_env(), **links, **container_env(containers(pod)["specdec"])})
     assert pod["enableServiceLinks"] is False
+
+
+def test_the_autoscalers_figures_are_scraped_and_an_empty_query_is_an_error():
+    """An audit: the ScaledObject asks the Prometheus Operator's Prometheus, which ignores the pods' prometheus.io
+    annotations, and KEDA reads an empty answer as 0: one replica under any load, silently. The PodMonitor
+    selects the Deployment's pods on its named port; the trigger refuses empty answers; both are applied."""
+    docs = {doc["kind"]: doc for doc in kubernetes_docs(KUBERNETES)}
+    pod = deployment()["spec"]["template"]
+    monitor = docs["PodMonitor"]["spec"]
+    assert monitor["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    ports = {port["name"] for port in containers(pod["spec"])["specdec"]["ports"]}
+    assert [(endpoint["port"], endpoint["path"]) for endpoint in monitor["podMetricsEndpoints"]] == \
+        [(port, "/metrics") for port in ports]
+    (trigger,) = docs["ScaledObject"]["spec"]["triggers"]
+    assert trigger["metadata"]["ignoreNullValues"] == "false"
+    for metric in re.findall(r"(specdec_\w+)\{", trigger["metadata"]["query"]):
+        assert metric in ("specdec_queue_depth", "specdec_engine_busy")  # the gauges the service exports
+    listed = yaml.safe_load((KUBERNETES / "kustomization.yaml").read_text())["resources"]
+    assert {"scaledobject.yaml", "podmonitor.yaml"} <= set(listed)
+
+
+def test_the_image_can_compile_the_models_on_cuda():
+    """An audit: `compile = "auto"` compiles on CUDA, and Triton builds its launcher with a C compiler and Python's
+    headers at start-up; the image had neither, so the models stayed eager (a warning, then ready)."""
+    install = next(line for line in (ROOT / "Dockerfile").read_text().splitlines() if "apt-get install" in line)
+    assert {"gcc", "libc6-dev", "python3-dev"} <= set(install.split())
+    assert load_settings(environ={}).compile == "auto"

@@ -45,6 +45,14 @@ def send(sock, message: dict) -> None:
 
 
 def receive(sock) -> dict:
+    """The next message; an error the engine process reported is raised here."""
+    message = _receive(sock)
+    if "error" in message:
+        raise RuntimeError(f"the engine process failed: {message['error']}")
+    return message
+
+
+def _receive(sock) -> dict:
     def exactly(n: int) -> bytes:
         parts = []
         while n:
@@ -109,7 +117,10 @@ def engine_main(fd: int, config: dict, tokens: int, threads: int) -> None:
             message = receive(sock)
         except ConnectionError:
             return
-        service.engine.call(direct if message["op"] == "direct" else decode, message)
+        try:
+            service.engine.call(direct if message["op"] == "direct" else decode, message)
+        except Exception as error:  # noqa: BLE001 - told to the front, which raises it (it would wait forever)
+            send(sock, {"end": True, "error": f"{type(error).__name__}: {error}"})
 
 
 # --- the front process ----------------------------------------------------------------------------------------

@@ -949,6 +949,29 @@ def test_the_document_states_that_json_schema_goes_with_its_type(document, respo
         assert taken_by_the_model(model, body) is valid, name
 
 
+def test_a_nullable_enum_lists_null(document):
+    """OpenAPI 3.0.3: an enum beside `nullable: true` must list null to allow it. A live schemathesis run found 13
+    request fields (method, best_of, min_p, ...) documented as refusing the null the service takes."""
+    def nullable_enums(node):
+        if isinstance(node, dict):
+            if node.get("nullable") is True and "enum" in node:
+                yield node["enum"]
+            for value in node.values():
+                yield from nullable_enums(value)
+        elif isinstance(node, list):
+            for value in node:
+                yield from nullable_enums(value)
+
+    enums = list(nullable_enums(document))
+    assert len(enums) > 10 and all(None in enum for enum in enums)
+    for name, model, body in (("PredictRequest", PredictRequest, {"prompt": "x", "verification": None}),
+                              ("CompletionRequest", CompletionRequest, {"model": "target", "prompt": "x",
+                                                                        "best_of": None, "method": None}),
+                              ("ChatCompletionRequest", ChatCompletionRequest, {"model": "target", "messages": MESSAGES,
+                                                                                "function_call": None})):
+        assert valid_by_the_document(document, name, body) and taken_by_the_model(model, body), name
+
+
 REFUSAL_PART = {"type": "refusal", "refusal": "I cannot."}
 
 

@@ -22,7 +22,8 @@ def openapi30(schema):
     """A pydantic (JSON Schema 2020-12) schema in OpenAPI 3.0's dialect: `anyOf [X, null]` becomes X with
     `nullable: true` (a $ref X wrapped in allOf), a numeric exclusiveMinimum/Maximum becomes minimum/maximum with a
     boolean flag, `const` becomes a one-value enum, one patternProperties becomes additionalProperties (the keys'
-    pattern is in the field's description), and the `title`s pydantic adds are dropped."""
+    pattern is in the field's description), and the `title`s pydantic adds are dropped. A nullable enum lists
+    null, as OpenAPI 3.0.3 asks."""
     if isinstance(schema, list):
         return [openapi30(item) for item in schema]
     if not isinstance(schema, dict):
@@ -49,6 +50,8 @@ def openapi30(schema):
             schema[bound], schema[exclusive] = value, True
     if schema.get("default", 0) is None:
         del schema["default"]
+    if schema.get("nullable") is True and "enum" in schema and None not in schema["enum"]:
+        schema["enum"] = [*schema["enum"], None]  # 3.0.3: an enum beside nullable must list null to allow it
     return schema
 
 

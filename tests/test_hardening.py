@@ -255,8 +255,8 @@ def test_openapi_describes_every_route_with_the_server_limits(pair):
     assert request["properties"]["max_new_tokens"]["maximum"] == 8
     assert request["properties"]["gamma"]["maximum"] == 6
     assert "default 4" in request["properties"]["max_new_tokens"]["description"]
-    assert request["properties"]["drafter"]["enum"] == ["model", "lookup", "hybrid"]
-    assert request["properties"]["verification"]["enum"] == ["token", "block"]
+    assert request["properties"]["drafter"]["enum"] == ["model", "lookup", "hybrid", None]  # null: the default
+    assert request["properties"]["verification"]["enum"] == ["token", "block", None]
     assert "default model" in request["properties"]["drafter"]["description"]
     token = document["components"]["schemas"]["Token"]["properties"]["source"]["enum"]
     assert "lookup" in token and "draft" in token

@@ -4,7 +4,8 @@ config/gunicorn.conf.py (which checks the specdec configuration), serving `servi
 gunicorn calls the factory in its worker, so the models load there, after fork. Both processes stay in the
 directory the service was started from, so that a relative path in a setting (SPECDEC_CONFIG, a model folder,
 the API keys file) means the same to the master, which checks the settings, and to the worker, which uses them;
-the repository is put on PYTHONPATH instead, for `serving` and `specdec` to import from anywhere.
+config/gunicorn.conf.py puts the repository first on the import path instead (also where the Docker image runs
+gunicorn itself).
 """
 
 import os
@@ -18,6 +19,5 @@ GUNICORN_CONF = ROOT / "config" / "gunicorn.conf.py"
 def main(argv: list[str] | None = None) -> None:
     """Start gunicorn; extra arguments go to gunicorn (e.g. `specdec-serve --log-level debug`)."""
     argv = sys.argv[1:] if argv is None else argv
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     os.execv(sys.executable, [sys.executable, "-m", "gunicorn", "--config", str(GUNICORN_CONF), *argv,
                               "serving:create_app()"])

@@ -140,36 +140,49 @@ def measure(args, draft_dir: str, target_dir: str, methods: dict, prompt: str) -
             ids, params=params, eos_token_id=service.models.eos_token_ids).stats.total_seconds)
 
     def request(method: str, kind: str) -> tuple[float, float]:
+        current["method"] = method  # the direct decode takes the parameters this request's stream records
         body = {"prompt": prompt, "max_new_tokens": args.tokens, "gamma": 4, "temperature": 0, "seed": 0,
                 "ignore_eos": True, "cache_prompt": False, "stream": kind == "sse", **methods[method],
                 **({"stop": [args.stop]} if args.stop else {})}
-        client.stdin.write(f"{kind} {json.dumps(body)}\n")
-        client.stdin.flush()
-        reply = json.loads(client.stdout.readline())
-        if reply["status"] != 200:
-            raise RuntimeError(f"POST /predict answered {reply['status']}: {reply['answer']}")
-        return reply["seconds"], reply["answer"]["stats"]["total_seconds"]
+        return post(client, kind, body)
 
-    pairs: dict[str, list[dict]] = {}
     try:
-        for repeat in range(args.repeats + 1):  # the first is a warm-up
-            for method in args.methods:
-                current["method"] = method
-                for kind in ("json", "sse"):
-                    if repeat % 2:  # which of the two goes first alternates: whatever the order does falls on both
-                        seconds = direct(method)
-                        wall, engine = request(method, kind)
-                    else:
-                        wall, engine = request(method, kind)
-                        seconds = direct(method)
-                    if repeat:
-                        pairs.setdefault(f"{method}/{kind}", []).append(
-                            {"vs_direct": seconds / wall, "engine_vs_direct": seconds / engine,
-                             "direct_tokens_per_second": args.tokens / seconds, "ms_outside_engine": 1e3 * (wall - engine)})
+        return paired_ratios(args.repeats, args.methods, args.tokens, direct, request)
     finally:
         client.stdin.close()
         client.wait()
         server.stop()
+
+
+def post(client, kind: str, body: dict) -> tuple[float, float]:
+    """One `POST /predict` ("json" or "sse") timed by the CLIENT process: (its wall seconds, the engine's own
+    seconds from the answer's stats)."""
+    client.stdin.write(f"{kind} {json.dumps(body)}\n")
+    client.stdin.flush()
+    reply = json.loads(client.stdout.readline())
+    if reply["status"] != 200:
+        raise RuntimeError(f"POST /predict answered {reply['status']}: {reply['answer']}")
+    return reply["seconds"], reply["answer"]["stats"]["total_seconds"]
+
+
+def paired_ratios(repeats: int, methods: list[str], tokens: int, direct, request) -> dict:
+    """For each method and kind, `repeats` pairs (after one warm-up) of `direct(method)` (its seconds) and
+    `request(method, kind)` (wall and engine seconds), which of the two goes first alternating; the medians of
+    the paired ratios by "method/kind"."""
+    pairs: dict[str, list[dict]] = {}
+    for repeat in range(repeats + 1):  # the first is a warm-up
+        for method in methods:
+            for kind in ("json", "sse"):
+                if repeat % 2:  # which of the two goes first alternates: whatever the order does falls on both
+                    seconds = direct(method)
+                    wall, engine = request(method, kind)
+                else:
+                    wall, engine = request(method, kind)
+                    seconds = direct(method)
+                if repeat:
+                    pairs.setdefault(f"{method}/{kind}", []).append(
+                        {"vs_direct": seconds / wall, "engine_vs_direct": seconds / engine,
+                         "direct_tokens_per_second": tokens / seconds, "ms_outside_engine": 1e3 * (wall - engine)})
     return {key: {name: statistics.median(run[name] for run in runs) for name in runs[0]} | {"pairs": len(runs)}
             for key, runs in pairs.items()}
 

@@ -28,7 +28,6 @@ if "--engine-fd" not in sys.argv:  # the front process runs as gunicorn's gevent
 import argparse  # noqa: E402
 import json  # noqa: E402
 import socket  # noqa: E402
-import statistics  # noqa: E402
 import struct  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -224,7 +223,7 @@ def measure(args, draft_dir: str, target_dir: str, methods: list[str], prompt: s
     from gevent.subprocess import PIPE, Popen
     from transformers import AutoTokenizer
 
-    from bench.one_process import CLIENT
+    from bench.one_process import CLIENT, paired_ratios, post
     from bench.stress import free_port
 
     config = {"draft_model": draft_dir, "target_model": target_dir, "device": "cpu", "compile": args.compile,
@@ -249,37 +248,16 @@ def measure(args, draft_dir: str, target_dir: str, methods: list[str], prompt: s
         return receive(front_end)["seconds"]
 
     def request(method: str, kind: str) -> tuple[float, float]:
-        client.stdin.write(f"{kind} {json.dumps({'prompt': prompt, 'method': method, 'stream': kind == 'sse'})}\n")
-        client.stdin.flush()
-        reply = json.loads(client.stdout.readline())
-        if reply["status"] != 200:
-            raise RuntimeError(f"POST /predict answered {reply['status']}: {reply['answer']}")
-        return reply["seconds"], reply["answer"]["stats"]["total_seconds"]
+        return post(client, kind, {"prompt": prompt, "method": method, "stream": kind == "sse"})
 
-    pairs: dict[str, list[dict]] = {}
     try:
-        for repeat in range(args.repeats + 1):  # the first is a warm-up
-            for method in methods:
-                for kind in ("json", "sse"):
-                    if repeat % 2:
-                        seconds = direct(method)
-                        wall, engine_seconds = request(method, kind)
-                    else:
-                        wall, engine_seconds = request(method, kind)
-                        seconds = direct(method)
-                    if repeat:
-                        pairs.setdefault(f"{method}/{kind}", []).append(
-                            {"vs_direct": seconds / wall, "engine_vs_direct": seconds / engine_seconds,
-                             "direct_tokens_per_second": args.tokens / seconds,
-                             "ms_outside_engine": 1e3 * (wall - engine_seconds)})
+        return paired_ratios(args.repeats, methods, args.tokens, direct, request)
     finally:
         client.stdin.close()
         client.wait()
         server.stop()
         front_end.close()
         engine.wait()
-    return {key: {name: statistics.median(run[name] for run in runs) for name in runs[0]} | {"pairs": len(runs)}
-            for key, runs in pairs.items()}
 
 
 if __name__ == "__main__":

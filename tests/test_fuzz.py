@@ -7,7 +7,7 @@ import json
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -18,6 +18,7 @@ from specdec.serve.openai_protocol import TokenizeRequest
 from specdec.serve.openapi import FINISH_REASONS
 from specdec.serve.structured import ResponseFormat, StructuredOutputs, request_constraint
 from tests.support.bad_requests import LEAKS
+from tests.support.document import check_against_the_document
 from tests.support.models import specdec_env_cleared
 
 FUZZ = settings(max_examples=150, deadline=None, database=None,
@@ -159,8 +160,6 @@ def test_schemathesis_against_the_openapi_document(app, mode):
     schemathesis = pytest.importorskip("schemathesis")
     schema = schemathesis.openapi.from_wsgi("/openapi.json", app)
     operation = schema["/predict"]["POST"]
-    statuses = []
-
     service = app.extensions["specdec"]
     vocab = service.decoder.vocab_size
 
@@ -192,18 +191,7 @@ def test_schemathesis_against_the_openapi_document(app, mode):
         constraint = json.dumps([so, rf])
         return constraint.isascii() and "\\u" not in constraint
 
-    @settings(FUZZ, max_examples=100)
-    @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
-    def check(case):
-        if mode == "positive" and isinstance(case.body, dict) and not stated(case.body):
-            reject()
-        response = case.call()
-        statuses.append(response.status_code)
-        case.validate_response(response)  # schemathesis's checks: no 5xx, documented status, schemas
-        assert (response.status_code == 200) == (mode == "positive"), response.text[:500]
-
-    check()
-    assert statuses
+    assert check_against_the_document(operation, mode, stated, settings(FUZZ, max_examples=100))
     for path in ("/healthz", "/readyz", "/metrics", "/openapi.json"):  # no inputs: one call each
         case = schema[path]["GET"].Case()
         case.validate_response(case.call())
@@ -235,17 +223,4 @@ def test_schemathesis_against_the_tokenizer_routes(app, path, mode):
             return error.field not in ("messages", "continue_final_message")
         return True
 
-    statuses = []
-
-    @settings(FUZZ, max_examples=50)
-    @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
-    def check(case):
-        if mode == "positive" and isinstance(case.body, dict) and not stated(case.body):
-            reject()
-        response = case.call()
-        statuses.append(response.status_code)
-        case.validate_response(response)
-        assert (response.status_code == 200) == (mode == "positive"), response.text[:500]
-
-    check()
-    assert statuses
+    assert check_against_the_document(operation, mode, stated, settings(FUZZ, max_examples=50))

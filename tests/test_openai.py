@@ -927,26 +927,25 @@ def test_the_document_states_that_tokenize_takes_prompt_or_messages(document, bo
     assert taken_by_the_model(TokenizeRequest, body) is valid
 
 
-@pytest.mark.parametrize(("structured_outputs", "valid"), STRUCTURED_OUTPUTS)
-def test_the_document_states_that_structured_outputs_takes_exactly_one(document, structured_outputs, valid):
+def assert_every_request_with_it_agrees(document, field: str, value, valid: bool) -> None:
+    """The document and the models agree on `value` of `field` in each request that takes a constraint."""
     for name, model, body in (
             ("PredictRequest", PredictRequest, {"prompt": "x"}),
             ("ChatCompletionRequest", ChatCompletionRequest, {"model": "target", "messages": MESSAGES}),
             ("CompletionRequest", CompletionRequest, {"model": "target", "prompt": "x"})):
-        body = {**body, "structured_outputs": structured_outputs}
+        body = {**body, field: value}
         assert valid_by_the_document(document, name, body) is valid, name
         assert taken_by_the_model(model, body) is valid, name
+
+
+@pytest.mark.parametrize(("structured_outputs", "valid"), STRUCTURED_OUTPUTS)
+def test_the_document_states_that_structured_outputs_takes_exactly_one(document, structured_outputs, valid):
+    assert_every_request_with_it_agrees(document, "structured_outputs", structured_outputs, valid)
 
 
 @pytest.mark.parametrize(("response_format", "valid"), RESPONSE_FORMATS)
 def test_the_document_states_that_json_schema_goes_with_its_type(document, response_format, valid):
-    for name, model, body in (
-            ("PredictRequest", PredictRequest, {"prompt": "x"}),
-            ("ChatCompletionRequest", ChatCompletionRequest, {"model": "target", "messages": MESSAGES}),
-            ("CompletionRequest", CompletionRequest, {"model": "target", "prompt": "x"})):
-        body = {**body, "response_format": response_format}
-        assert valid_by_the_document(document, name, body) is valid, name
-        assert taken_by_the_model(model, body) is valid, name
+    assert_every_request_with_it_agrees(document, "response_format", response_format, valid)
 
 
 def test_a_nullable_enum_lists_null(document):
@@ -1024,7 +1023,9 @@ def test_schemathesis_against_the_v1_routes(pair, path, mode):
     """Requests drawn from /openapi.json: valid ones (that fit the context) get 200, invalid ones a 4xx, and every
     answer matches the document."""
     schemathesis = pytest.importorskip("schemathesis")
-    from hypothesis import HealthCheck, given, reject, settings
+    from hypothesis import HealthCheck, settings
+
+    from tests.support.document import check_against_the_document
 
     app = make_app(pair, max_new_tokens=4, max_new_tokens_limit=8)
     service = app.extensions["specdec"]
@@ -1063,20 +1064,8 @@ def test_schemathesis_against_the_v1_routes(pair, path, mode):
         return choices <= service.settings.max_prompts_per_request and all(
             len(ids) + (1 if room is None else room) <= 256 for ids in prompts)
 
-    statuses = []
-
-    @settings(max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(case=operation.as_strategy(generation_mode=schemathesis.GenerationMode(mode)))
-    def check(case):
-        if mode == "positive" and not fits(case.body):
-            reject()
-        response = case.call()
-        statuses.append(response.status_code)
-        case.validate_response(response)
-        assert (response.status_code == 200) == (mode == "positive"), response.text[:500]
-
-    check()
-    assert statuses
+    assert check_against_the_document(operation, mode, fits, settings(
+        max_examples=25, deadline=None, database=None, suppress_health_check=list(HealthCheck)))
     case = operation.schema["/v1/models"]["GET"].Case()
     case.validate_response(case.call())
     case = operation.schema["/v1/models/{model}"]["GET"].Case(path_parameters={"model": "target"})

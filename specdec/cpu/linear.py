@@ -312,13 +312,23 @@ def quantized_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def int8_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    """torch's int8 linear layer over a quantized (out, in) weight, packed once: the constructor is given a 1x1
+    placeholder, since it packs a zero weight of its full size, which takes as long as packing the real one
+    (seconds for a vocabulary-sized output layer), only to throw it away."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
+
+    layer = DynamicQuantizedLinear(1, 1, bias_=bias is not None, dtype=torch.qint8)
+    layer.out_features, layer.in_features = weight.shape
+    layer.set_weight_bias(weight, bias)
+    return layer
+
+
 def load_quantized(model: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
     """The inverse of `quantized_tensors`, in place: every other tensor loaded into `model`, then each nn.Linear
     replaced by the int8 layer built from its parts. `model` is normally a skeleton whose parameters are on the
     meta device, so no float weight of a quantized layer is ever allocated. Tensors are taken out of `tensors` as
     they are used. Returns how many layers were built; ValueError if `tensors` does not fit `model`."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
-
     parts = {name: tensors.pop(name) for name in [n for n in tensors if n.rsplit(".", 1)[-1] in INT8_PARTS]}
     result = model.load_state_dict(tensors, strict=False, assign=True)
     tensors.clear()
@@ -337,13 +347,8 @@ def load_quantized(model: nn.Module, tensors: dict[str, torch.Tensor]) -> int:
         raise ValueError(f"int8 layers this model does not have: {sorted(parts)[:3]}")
 
     def build(job: dict) -> None:
-        # a 1x1 placeholder: the constructor packs a zero weight of its full size, which takes as long as
-        # packing the real one (seconds for a vocabulary-sized output layer), only to throw it away
-        bias = job.pop("bias")
-        layer = DynamicQuantizedLinear(1, 1, bias_=bias is not None, dtype=torch.qint8)
-        layer.in_features, layer.out_features = job["in"], job["out"]
-        layer.set_weight_bias(torch._make_per_channel_quantized_tensor(*job.pop("weight"), 0), bias)
-        job["layer"] = layer  # the int8 values above are freed as soon as they are packed
+        weight = torch._make_per_channel_quantized_tensor(*job.pop("weight"), 0)
+        job["layer"] = int8_linear(weight, job.pop("bias"))  # the int8 values are freed as soon as they are packed
 
     jobs.sort(key=lambda job: -job["in"] * job["out"])  # the largest first, so the others fill in beside it
     with warnings.catch_warnings():  # torch.ao's eager quantization warns that torchao will replace it

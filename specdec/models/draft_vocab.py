@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..cpu.grouped import TILE, GroupedLinear, Tiled
-from ..cpu.linear import FewRowsLinear
+from ..cpu.linear import FewRowsLinear, int8_linear
 from ..errors import SpecDecError
 
 logger = logging.getLogger(__name__)
@@ -116,13 +116,8 @@ def _int8_rows(head: nn.Module, start: int, stop: int) -> nn.Module:
     """Rows start..stop of torch's int8 linear layer: its int8 weight's rows (per-row scales) packed again. The
     activations are quantized per forward with one scale, the same in every part: the rows' logits are the
     whole layer's."""
-    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantizedLinear
-
     weight, bias = head._packed_params._weight_bias()
-    part = DynamicQuantizedLinear(1, 1, bias_=bias is not None, dtype=torch.qint8)  # packed again just below
-    part.in_features, part.out_features = head.in_features, stop - start
-    part.set_weight_bias(weight[start:stop], None if bias is None else bias[start:stop])
-    return part
+    return int8_linear(weight[start:stop], None if bias is None else bias[start:stop])
 
 
 def partial_head(head: nn.Module, tokenizer, size: int) -> PartialHead | None:

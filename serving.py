@@ -1,7 +1,7 @@
 """The specdec HTTP service: `create_app` (an application factory for gunicorn), and `python serving.py`.
 
 `python serving.py` replaces itself with gunicorn configured by config/gunicorn.conf.py (see
-specdec/serve/server.py), which calls `serving:create_app()` in its worker: the models load there, after fork.
+specdec/serve/server.py), which calls this factory in its worker: the models load there, after fork.
 The application itself lives in specdec/serve/.
 """
 

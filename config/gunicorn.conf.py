@@ -10,20 +10,18 @@ own options may still be overridden on its command line or in GUNICORN_CMD_ARGS.
 
 import os
 import sys
-from pathlib import Path
 
-# The repository's own code first: gunicorn runs in the directory it was started from (relative paths in settings
-# are read from there), whose own serving.py or specdec/ must not stand in for ours.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from specdec.serve.config import ConfigError, load_settings  # noqa: E402
+from specdec.serve.config import ConfigError, load_settings  # the project is installed (editable: make, the image)
 
 try:
     _settings = load_settings()
 except ConfigError as _error:
     sys.exit(f"specdec: {_error}")  # one clear message, no traceback, exit status 1
 
-wsgi_app = "serving:create_app()"
+# The factory from the installed package: gunicorn runs in the directory it was started from (relative paths in
+# settings are read from there), where a serving.py of its own must not stand in for ours. The same factory as
+# serving.py's create_app, which `gunicorn serving:create_app()` names from the repository (the Docker image).
+wsgi_app = "specdec.serve:create_app()"
 bind = [f"[{_settings.host}]:{_settings.port}" if ":" in _settings.host else f"{_settings.host}:{_settings.port}"]
 workers = 1
 worker_class = "specdec.serve.worker.Worker"

@@ -6,7 +6,6 @@ import os
 import re
 import runpy
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
@@ -95,7 +94,6 @@ def graceful_timeout(env: dict[str, str], monkeypatch) -> int:
         monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
-    monkeypatch.setattr(sys, "path", list(sys.path))  # the file puts the repository root first
     return runpy.run_path(str(ROOT / "config" / "gunicorn.conf.py"))["graceful_timeout"]
 
 

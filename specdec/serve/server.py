@@ -1,11 +1,11 @@
 """`specdec-serve` and `python serving.py`: replace this process with gunicorn, configured by
-config/gunicorn.conf.py (which checks the specdec configuration), serving `serving:create_app()`.
+config/gunicorn.conf.py (which checks the specdec configuration), serving `specdec.serve:create_app()` (the
+factory serving.py names).
 
 gunicorn calls the factory in its worker, so the models load there, after fork. Both processes stay in the
 directory the service was started from, so that a relative path in a setting (SPECDEC_CONFIG, a model folder,
 the API keys file) means the same to the master, which checks the settings, and to the worker, which uses them;
-config/gunicorn.conf.py puts the repository first on the import path instead (also where the Docker image runs
-gunicorn itself).
+the factory comes from the installed package, not from a serving.py in that directory.
 """
 
 import os
@@ -20,4 +20,4 @@ def main(argv: list[str] | None = None) -> None:
     """Start gunicorn; extra arguments go to gunicorn (e.g. `specdec-serve --log-level debug`)."""
     argv = sys.argv[1:] if argv is None else argv
     os.execv(sys.executable, [sys.executable, "-m", "gunicorn", "--config", str(GUNICORN_CONF), *argv,
-                              "serving:create_app()"])
+                              "specdec.serve:create_app()"])

@@ -427,7 +427,8 @@ class SpeculativeDecoder:
                 raise SpecDecError(f"{clash[0]} was given beside params: set it in params (params.replace("
                                    f"{clash[0]}=...))", field=clash[0])
         seed = int.from_bytes(os.urandom(8), "little") >> 1 if params.seed is None else params.seed % 2**64
-        if self.context_length is not None and len(prompt) >= self.context_length:
+        # a prompt may fill the context when it is only scored (max_new_tokens 0: one forward of its positions)
+        if self.context_length is not None and len(prompt) + (params.max_new_tokens > 0) > self.context_length:
             raise SpecDecError(
                 f"the prompt has {len(prompt)} tokens and leaves no room in the model context of "
                 f"{self.context_length} tokens", field="input_ids")

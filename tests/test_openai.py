@@ -429,6 +429,20 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(client, service, pair):
     assert echoed["text"] == PROMPT and echoed["logprobs"] is None
 
 
+
+def test_echo_with_max_tokens_0_scores_a_prompt_that_fills_the_context(client, service, pair):
+    """A prompt of exactly the context's 256 tokens fits when only scored (the engine refused it as leaving no
+    room for a token it was not asked for; an audit). One token more is context_length_exceeded, as is the full
+    prompt with a token to generate, both naming the prompt."""
+    context = service.decoder.context_length
+    ids = (service.encode(PROMPT) * 10)[:context]
+    choice = complete(client, prompt=ids, echo=True, logprobs=0, max_tokens=0).get_json()["choices"][0]
+    assert ids_of(service, choice["logprobs"]["tokens"]) == ids and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(plain_logprobs(pair, ids), abs=1e-4)
+    for prompt, max_tokens in ((ids + ids[:1], 0), (ids, 1)):
+        assert_openai_error(complete(client, prompt=prompt, echo=True, logprobs=0, max_tokens=max_tokens), 400,
+                            "context_length_exceeded", "prompt")
+
 def test_several_prompts_give_a_choice_each_in_order(client, service):
     prompts = ["def add(a, b):", "Hello", "one two one two"]
     singles = [complete(client, prompt=p, temperature=0, max_tokens=12, logprobs=1, cache_prompt=False).get_json()

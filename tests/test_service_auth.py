@@ -151,6 +151,14 @@ def test_the_file_is_read_as_keys_one_a_line(keys_file):
     assert read_api_keys(str(keys_file)) == tuple(KEYS)
 
 
+def test_a_byte_order_mark_is_not_part_of_the_first_key(tmp_path):
+    """Windows editors and PowerShell begin a UTF-8 file with a byte-order mark, which made the first key one no
+    client could send (an audit)."""
+    path = tmp_path / "keys"
+    path.write_bytes(b"\xef\xbb\xbffirst-key\r\nsecond-key\r\n")
+    assert read_api_keys(str(path)) == ("first-key", "second-key")
+
+
 @pytest.mark.parametrize("content, problem", [(None, "does not exist"), ("", "holds no key"),
                                               ("# only\n\n   \n# comments\n", "holds no key"),
                                               (b"\xff\xfe\x00k", "not UTF-8"), ("dir", "cannot read")])

@@ -135,6 +135,9 @@ def test_loader_may_be_an_import_path():
     ({"SPECDEC_HEADER_TIMEOUT": "1e7"}, {}, ["header_timeout", "1000000"]),
     ({"SPECDEC_BODY_TIMEOUT": "1e7"}, {}, ["body_timeout", "1000000"]),
     ({"SPECDEC_HOST": "not a host"}, {}, ["host = 'not a host' (from SPECDEC_HOST)", "host name or an IP address"]),
+    # digits and dots are an IPv4 address: not one, refused here (gunicorn failed to resolve it, in six errors)
+    ({"SPECDEC_HOST": "999.1.1.1"}, {}, ["host = '999.1.1.1' (from SPECDEC_HOST)", "host name or an IP address"]),
+    ({"SPECDEC_HOST": "10.0.1"}, {}, ["host = '10.0.1' (from SPECDEC_HOST)", "host name or an IP address"]),
     ({"SPECDEC_HOST": "[::1]"}, {}, ["host = '[::1]'", "without brackets"]),
     ({"SPECDEC_CORS_ALLOW_ORIGINS": "https://a.com:99999"}, {}, ["'https://a.com:99999' is not an origin"]),
     ({"SPECDEC_CORS_ALLOW_ORIGINS": "http://[::1"}, {}, ["'http://[::1' is not an origin"]),

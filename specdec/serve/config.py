@@ -137,7 +137,8 @@ class Settings(BaseModel):
         try:
             ipaddress.ip_address(value)
         except ValueError:
-            if not HOST.fullmatch(value):
+            # digits and dots are an IPv4 address, not a name (no top-level domain is numeric): 999.1.1.1 is refused
+            if not HOST.fullmatch(value) or re.fullmatch(r"[0-9.]+", value):
                 raise ValueError("must be a host name or an IP address (an IPv6 address without brackets: ::1)") \
                     from None
         return value
@@ -259,7 +260,7 @@ def read_api_keys(path: str) -> tuple[str, ...]:
     """The keys in a keys file: one a line, surrounding whitespace dropped, blank lines and `#` comments skipped.
     A ConfigError if the file is missing, unreadable or holds no key (its message never quotes the file's text)."""
     try:
-        text = Path(path).expanduser().read_text(encoding="utf-8")
+        text = Path(path).expanduser().read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors) dropped
     except FileNotFoundError:
         raise ConfigError(f"the API keys file {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as error:

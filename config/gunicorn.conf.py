@@ -56,7 +56,7 @@ logconfig_dict = {
 def post_worker_init(worker):
     """If the models fail to load, stop the worker with gunicorn's "app failed to load" status, which stops
     the master too: a server that can never become ready should not keep running."""
-    service = worker.wsgi.extensions["specdec"]
+    service = worker.service  # specdec.serve.worker.Worker: the app's Service
 
     def stop(message):
         worker.log.error("stopping: the models could not be loaded (%s)", message)

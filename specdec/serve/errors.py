@@ -31,7 +31,7 @@ class ApiError(Exception):
         message, field = printable(message), None if field is None else printable(field)
         super().__init__(message)
         self.status, self.type, self.message, self.field = status, type, message, field
-        self.headers = headers or {}
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return {"error": {"type": self.type, "message": self.message, "field": self.field}}
@@ -58,6 +58,8 @@ def to_api_error(error: Exception, request_id: str | None) -> ApiError:
         else:
             message = error.description
         headers = {k: v for k, v in error.get_headers() if k.lower() == "allow"}
+        if error.code == 413:  # the body was left unread: the connection cannot go on (protocol.read_json_object)
+            headers["Connection"] = "close"
         return ApiError(error.code, HTTP_ERROR_TYPES.get(error.code, "bad_request"), message, headers=headers)
     request_id = request_id or "-"
     if isinstance(error, (torch.OutOfMemoryError, MemoryError)):

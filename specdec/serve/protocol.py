@@ -201,13 +201,18 @@ class PredictParams:
     constraint: Constraint | None = None  # what the completion must match
 
 
+CLOSE = {"Connection": "close"}  # the headers of an answer after which the connection cannot go on
+
+
 def read_json_object(request, max_bytes: int, timeout: float | None = None) -> dict:
     """The body of a Flask request as a JSON object, or the ApiError (413, 415, 408, 400) saying why not.
 
-    A body that has not arrived within `timeout` seconds is answered 408 (under gevent; see concurrency.py)."""
+    A body that has not arrived within `timeout` seconds is answered 408 (under gevent; see concurrency.py). An
+    answer that leaves the body unread (413, 408, a malformed chunk) closes the connection (RFC 9110, 15.5.9): the
+    server would otherwise wait for the rest of it, and the client's next request there would be lost."""
     if request.content_length is not None and request.content_length > max_bytes:
         raise ApiError(413, "body_too_large", f"the request body has {request.content_length} bytes; "
-                                              f"the limit is {max_bytes}")
+                                              f"the limit is {max_bytes}", headers=CLOSE)
     charset = request.mimetype_params.get("charset", "utf-8").lower()
     if request.mimetype != "application/json" or charset not in ("utf-8", "utf8"):
         sent = request.headers.get("Content-Type") or "none"
@@ -217,14 +222,16 @@ def read_json_object(request, max_bytes: int, timeout: float | None = None) -> d
         with time_limit(timeout) if timeout else contextlib.nullcontext():
             data = request.get_data(cache=False)  # a chunked body (no Content-Length) is read up to max_bytes + 1
     except TimeLimitExceeded:
-        raise ApiError(408, "body_timeout", f"the request body did not arrive within {timeout:g} s") from None
+        raise ApiError(408, "body_timeout", f"the request body did not arrive within {timeout:g} s",
+                       headers=CLOSE) from None
     except Exception as error:  # noqa: BLE001 - a body the server cannot parse (a bad chunk), else re-raised
         if not _unparsable_body(error):
             raise
         raise ApiError(400, "bad_request", f"the request body cannot be read: {type(error).__name__} "
-                                           "(its chunked encoding is malformed)") from None
+                                           "(its chunked encoding is malformed)", headers=CLOSE) from None
     if len(data) > max_bytes:
-        raise ApiError(413, "body_too_large", f"the request body is over the limit of {max_bytes} bytes")
+        raise ApiError(413, "body_too_large", f"the request body is over the limit of {max_bytes} bytes",
+                       headers=CLOSE)
     try:
         body = json.loads(data.decode("utf-8"), parse_int=_parse_int)
     except UnicodeDecodeError:

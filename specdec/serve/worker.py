@@ -9,6 +9,8 @@
   gevent worker does, all within gunicorn's graceful_timeout;
 - gunicorn's own error answers (a request line or headers it cannot parse: 400, 414, 431) in the service's JSON
   error shape, not gunicorn's HTML page;
+- an answer that says `Connection: close` (one that left the request's body unread: 408, 413) closes the
+  connection, which gunicorn would otherwise keep alive (it drops an application's hop-by-hop headers);
 - `end_process`, which gunicorn.conf.py's worker_exit hook calls, to leave without interpreter shutdown.
 
 gevent patches the process itself when the worker starts (before the app is loaded), as gunicorn's own gevent
@@ -25,6 +27,7 @@ import uuid
 import warnings
 
 import gevent
+from gevent.local import local
 from gevent.monkey import MonkeyPatchWarning
 from gunicorn import util
 from gunicorn.workers.ggevent import GeventWorker
@@ -42,6 +45,7 @@ class Worker(GeventWorker):
         super().__init__(*args, **kwargs)
         self.service = None  # the app's Service, once the app is loaded
         self.header_timeout = float(self.cfg.keepalive or 10)
+        self._connection = local()  # per connection's greenlet: the request being answered (`request`)
 
     def init_process(self):
         self.worker_connections = descriptors_for(self.worker_connections)
@@ -62,6 +66,21 @@ class Worker(GeventWorker):
         super().load_wsgi()
         self.service = self.wsgi.extensions["specdec"]
         self.header_timeout = self.service.settings.header_timeout
+        self.wsgi = self._closing(self.wsgi)
+
+    def handle_request(self, listener_name, req, sock, addr):
+        self._connection.request = req
+        return super().handle_request(listener_name, req, sock, addr)
+
+    def _closing(self, app):
+        """`app`, whose answers saying `Connection: close` make gunicorn close the connection after them."""
+        def closing_app(environ, start_response):
+            def start(status, headers, exc_info=None):
+                if any(name.lower() == "connection" and value.lower() == "close" for name, value in headers):
+                    self._connection.request.must_close = True  # gunicorn's own mark (its Response reads it)
+                return start_response(status, headers, exc_info)
+            return app(environ, start)
+        return closing_app
 
     def timeout_ctx(self):
         # gunicorn times each wait for a request's head with this: a new connection's, or a kept-alive one's next

@@ -167,8 +167,8 @@ def test_schemathesis_against_the_openapi_document(app, mode):
         """Whether the body is free of what the document cannot state (each refused with a 4xx naming its field):
         whether its regex, grammar or schema compiles, logit_bias keys as ids of the vocabulary (OpenAPI 3.0 can
         say neither that its keys are digits nor how many tokens there are), and rules across fields: min_tokens
-        at most max_new_tokens; response_format and structured_outputs not both; ignore_eos, stop_token_ids and
-        min_tokens not beside a constraint. Exactly one structured output, response_format's json_schema with its
+        at most max_new_tokens; response_format and structured_outputs not both; ignore_eos, stop_token_ids,
+        min_tokens and stop strings not beside a constraint. Exactly one structured output, response_format's json_schema with its
         type, and the token ids' bound are the document's: a body valid by it that breaks them fails the test."""
         so, rf = body.get("structured_outputs"), body.get("response_format")
         structured = StructuredOutputs.model_validate(so) if so is not None else None
@@ -180,7 +180,8 @@ def test_schemathesis_against_the_openapi_document(app, mode):
         least = body.get("min_tokens") or 0
         if not all(key.isascii() and key.isdigit() and int(key) < vocab for key in bias) or least > room:
             return False
-        if constrained and (structured is not None and formats or body.get("ignore_eos") or stops or least):
+        if constrained and (structured is not None and formats or body.get("ignore_eos") or stops or least
+                            or body.get("stop")):
             return False
         try:
             service.grammar(request_constraint(response_format, structured))

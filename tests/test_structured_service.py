@@ -59,6 +59,7 @@ def test_predict_takes_response_format_and_structured_outputs(client):
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, None),
     ({"structured_outputs": {"choice": ["a", "b"]}, "ignore_eos": True}, "ignore_eos"),
+    ({"structured_outputs": {"choice": ["a", "b"]}, "stop": ["b"]}, "stop"),
     ({"structured_outputs": {"regex": "a{999999}"}}, "structured_outputs.regex"),  # fails at its first token
     ({"structured_outputs": {"regex": "a{999999}"}}, "structured_outputs.regex"),  # and again, not "stop"
     ({"structured_outputs": {"regex": "ab\tc"}}, "structured_outputs.regex"),  # no token writes a tab: not "stop"
@@ -281,6 +282,35 @@ def test_ignore_eos_with_a_grammar_is_refused_before_decoding(client, path, body
     if status == 400:
         error = response.get_json()["error"]
         assert error["param"] == "ignore_eos" and "end-of-sequence" in error["message"]
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"]}
+ADD = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}}, "required": ["a"]}}}]
+CHAT = {"messages": [{"role": "user", "content": "1 + 2?"}]}
+
+
+@pytest.mark.parametrize("path, body, status", [
+    ("/v1/completions", {"prompt": "Who is", "response_format": {"type": "json_object"}}, 400),
+    ("/v1/completions", {"prompt": "Who is", "structured_outputs": {"json": SCHEMA}}, 400),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": "p", "schema": SCHEMA}}}, 400),
+    ("/v1/chat/completions", {**CHAT, "tools": ADD, "tool_choice": "required"}, 400),
+    ("/v1/chat/completions", {**CHAT, "tools": ADD}, 400),  # auto: a grammar too
+    ("/v1/chat/completions", {**CHAT, "tools": ADD, "tool_choice": "none"}, 200),
+    ("/v1/completions", {"prompt": "Who is", "response_format": {"type": "text"}}, 200),
+])
+@pytest.mark.parametrize("stop", [", ", ["zz", "}"]])
+def test_stop_strings_with_a_grammar_are_refused_naming_stop(client, path, body, status, stop):
+    """A stop string cut a constrained answer where it did not parse (`{"name": "zzzzzz"`), and the answer still
+    said finish_reason stop (tool_calls for a call cut to `{"`), where one that ends so must parse and validate (an
+    audit): refused, as stop_token_ids, min_tokens and ignore_eos are; without a grammar, stop strings apply."""
+    response = client.post(path, json={"model": "target", "max_tokens": 3, "stop": stop, **body})
+    assert response.status_code == status, response.get_json()
+    if status == 400:
+        error = response.get_json()["error"]
+        assert error["param"] == "stop" and "does not parse" in error["message"], error
+    assert client.post(path, json={"model": "target", "max_tokens": 3, "stop": [], **body}).status_code == 200
 
 
 def test_a_logit_bias_under_a_grammar_acts_within_what_the_grammar_allows(client, service_tokenizer):

@@ -42,6 +42,7 @@ from .protocol import (
     MAX_STOP_STRINGS,
     MIN_TOKENS_DESCRIPTION,
     SEED_DESCRIPTION,
+    STOP_CONSTRAINED,
     VERIFICATION_DESCRIPTION,
     FrequencyPenalty,
     HugeInteger,
@@ -275,7 +276,8 @@ class _Request(BaseModel):
     stop: Annotated[StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None,
                     BeforeValidator(_stop_strings)] = Field(
         None, description=f"up to {MAX_STOP_STRINGS} strings; the completion ends before the first one found, "
-                          f"which is not returned")
+                          f"which is not returned; not with response_format, structured_outputs or tools (unless "
+                          f"tool_choice is none)")
     stream: bool | None = Field(None, description="answer with Server-Sent Events of chunks")
     stream_options: StreamOptions | None = Field(
         None, description="for a stream; an answer that is not streamed always has its usage")
@@ -320,6 +322,8 @@ class _Request(BaseModel):
                                       {"param": "structured_outputs"})
         if self.ignore_eos and (self.structured_outputs is not None or self.formats_answer):
             raise PydanticCustomError("invalid_value", IGNORE_EOS_CONSTRAINED, {"param": "ignore_eos"})
+        if self.stop and (self.structured_outputs is not None or self.formats_answer):
+            raise PydanticCustomError("invalid_value", STOP_CONSTRAINED, {"param": "stop"})
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:  # as vLLM
             raise PydanticCustomError("invalid_value", "stream_options is only allowed with stream: true",
                                       {"param": "stream_options"})
@@ -504,6 +508,8 @@ class ChatCompletionRequest(_ChatTemplating, _Request):
             raise PydanticCustomError("invalid_value", "ignore_eos cannot be combined with tools (unless tool_choice "
                                       "is none): their grammar ends the answer with an end-of-sequence token",
                                       {"param": "ignore_eos"})
+        if self.stop and self.calls_tools:
+            raise PydanticCustomError("invalid_value", STOP_CONSTRAINED, {"param": "stop"})
         return self
 
     @property

@@ -64,6 +64,10 @@ MIN_TOKENS_DESCRIPTION = ("generate at least this many tokens (vLLM's; default 0
 # why a request's ignore_eos is refused beside response_format or structured_outputs (/predict and /v1)
 IGNORE_EOS_CONSTRAINED = ("ignore_eos cannot be combined with response_format or structured_outputs: a constrained "
                           "answer ends with an end-of-sequence token")
+# why a request's stop strings are refused beside a constraint (/predict and /v1)
+STOP_CONSTRAINED = ("stop cannot be combined with response_format, structured_outputs or tools (unless tool_choice is "
+                    "none): the grammar decides where the answer ends, and a stop string would cut it where it "
+                    "does not parse")
 SEED_DESCRIPTION = ("the same seed and request give the same completion (with cache_prompt false; with the prompt "
                     "cache, only where it holds the same); default random")
 CACHE_PROMPT_DESCRIPTION = ("start from the prompt cache (reuse what an earlier request shared with this prompt) and "
@@ -153,7 +157,8 @@ class PredictRequest(BaseModel):
     draft_confidence_threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
                                                      description=CONFIDENCE_DESCRIPTION)
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
-        None, max_length=MAX_STOP_STRINGS, description="the completion ends before the first one found")
+        None, max_length=MAX_STOP_STRINGS, description="the completion ends before the first one found; not with "
+                                                      "structured_outputs")
     chat: bool | None = Field(None, description="wrap the prompt in the model's chat template")
     cache_prompt: bool | None = Field(None, description=CACHE_PROMPT_DESCRIPTION)
     ignore_eos: bool | None = Field(None, description=IGNORE_EOS_DESCRIPTION)
@@ -302,6 +307,8 @@ def parse_predict(body: dict, settings: Settings) -> PredictParams:
         raise ApiError(422, "invalid_field", error.message, error.field) from None
     if constraint is not None and sampling.ignore_eos:
         raise ApiError(422, "invalid_field", IGNORE_EOS_CONSTRAINED, "ignore_eos")
+    if constraint is not None and req.stop:
+        raise ApiError(422, "invalid_field", STOP_CONSTRAINED, "stop")
     return PredictParams(prompt=req.prompt, sampling=sampling, stop=tuple(req.stop or ()), chat=bool(req.chat),
                          details=bool(req.details), stream=bool(req.stream), constraint=constraint)
 

@@ -201,6 +201,35 @@ def test_a_client_that_hangs_up_on_a_json_answer_stops_its_generation(server, pa
     assert post(server, {"prompt": PROMPT, "max_new_tokens": 5}).status_code == 200  # the engine is free again
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/predict", {"prompt": PROMPT, "max_new_tokens": 50, "stream": True}),
+    ("/v1/completions", {"model": "target", "prompt": [PROMPT, PROMPT], "max_tokens": 50}),  # one turn, two prompts
+])
+def test_a_client_that_leaves_while_its_request_waits_in_line_is_not_decoded_for(server, path, body):
+    """A request whose client hung up while it waited for the engine took its turn anyway: a prefill and a round
+    before the hang-up was noticed (an audit; seconds of prefill on a large pair, for each of a timed-out client's
+    retries). Now it is dropped when its turn comes: 499 client_gone, logged as cancelled, no token decoded."""
+    request_id = f"left-in-line-{path.strip('/').replace('/', '-')}"
+    first = _send_raw(server, "/predict", {"prompt": PROMPT, "max_new_tokens": 200, "temperature": 0,
+                                           "ignore_eos": True}, f"{request_id}-first")
+    time.sleep(0.3)  # the first decodes (200 tokens take over a second here)
+    generated_before = server.metric("specdec_generated_tokens_total")
+    _send_raw(server, path, body, request_id).close()  # queued, then gone
+    with first:
+        first.settimeout(30)
+        while first.recv(65536) and not re.search(rf"request_id={request_id}-first ", server.log()):
+            pass
+    deadline = time.monotonic() + 20
+    while not re.search(rf"request_id={request_id} ", server.log()):
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.05)
+    line = re.search(rf"request_id={request_id} .*", server.log()).group()
+    assert "status=499" in line and "completion_tokens=-" in line and "finish_reason=cancelled" in line, line
+    assert "error=client_gone" in line, line
+    assert server.metric("specdec_generated_tokens_total") - generated_before <= 200  # the first's alone
+    assert post(server, {"prompt": PROMPT, "max_new_tokens": 5}).status_code == 200
+
+
 def test_a_client_that_leaves_a_stream_of_several_choices_stops_them_all(server):
     """Under gevent each choice of an n > 1 stream is decoded as soon as the one before it is (in a greenlet woken
     by the engine thread): a client gone stops the choice being decoded and starts no other."""

@@ -318,18 +318,16 @@ def watch_disconnect(sock, on_gone: Callable[[], None]):
     if sock is None or not gevent_patched():
         yield
         return
-    import socket
-
     import gevent
     from gevent.socket import wait_read
 
     def watch() -> None:
         try:
             wait_read(sock.fileno())
-            gone = sock.recv(1, socket.MSG_PEEK) == b""
-        except OSError:  # a reset, or the socket closed under us
-            gone = True
-        if gone:
+        except OSError:  # the socket closed under us
+            on_gone()
+            return
+        if _hung_up(sock):
             on_gone()
 
     watcher = gevent.spawn(watch)
@@ -337,6 +335,31 @@ def watch_disconnect(sock, on_gone: Callable[[], None]):
         yield
     finally:
         watcher.kill()
+
+
+def client_gone(sock) -> bool:
+    """Whether the client at `sock`, whose request was read whole, has hung up by now (see watch_disconnect); False
+    without gevent or a socket (the test client)."""
+    if sock is None or not gevent_patched():
+        return False
+    import select
+
+    try:
+        readable = select.select([sock], [], [], 0)[0]
+    except (OSError, ValueError):  # the socket closed under us
+        return True
+    return bool(readable) and _hung_up(sock)
+
+
+def _hung_up(sock) -> bool:
+    """For a readable socket whose request was read whole: whether what is there is the connection's end (or a
+    reset), not the client's next request on a kept-alive connection. A client that half-closes counts as gone."""
+    import socket
+
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 class TimeLimitExceeded(Exception):

@@ -20,7 +20,7 @@ HTTP_ERROR_TYPES = {400: "bad_request", 404: "not_found", 405: "method_not_allow
 ENGINE_FIELDS = {"input_ids": "prompt"}  # engine argument -> request field
 ERROR_TYPES = ["invalid_json", "not_found", "method_not_allowed", "body_too_large", "unsupported_media_type",
                "invalid_field", "prompt_too_long", "overloaded", "not_ready", "internal_error", "bad_request",
-               "unauthorized", "body_timeout", "shutting_down"]
+               "unauthorized", "body_timeout", "shutting_down", "client_gone"]
 
 
 class ApiError(Exception):

@@ -17,11 +17,12 @@ class Overloaded(Exception):
 class Slot:
     """The right to use the engine. `release` is idempotent, so every exit path may call it."""
 
-    def __init__(self, scheduler: "Scheduler", waited: float):
+    def __init__(self, scheduler: "Scheduler", waited: float, queued: bool = False):
         self._scheduler = scheduler
         self._released = False
         self._lock = threading.Lock()
         self.waited = waited  # seconds spent in the queue
+        self.queued = queued  # it waited in line (its client may have left meanwhile)
 
     def release(self) -> None:
         with self._lock:
@@ -75,16 +76,16 @@ class Scheduler:
                         raise Overloaded(f"the server is busy: no turn within the queue timeout of "
                                          f"{self.queue_timeout:g} s")
                     self._cond.wait(remaining)
-                return self._take(start)
+                return self._take(start, queued=True)
             finally:
                 self._waiting.remove(ticket)
                 self._changed()
                 self._cond.notify_all()  # a waiter that gave up at the head lets the next one in
 
-    def _take(self, start: float) -> Slot:
+    def _take(self, start: float, queued: bool = False) -> Slot:
         self._busy = True
         self._changed()
-        return Slot(self, time.monotonic() - start)
+        return Slot(self, time.monotonic() - start, queued)
 
     def _release(self) -> None:
         with self._cond:

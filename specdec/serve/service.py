@@ -11,14 +11,14 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from flask import Response, jsonify, request
+from flask import Response, has_request_context, jsonify, request
 
 from ..errors import SpecDecError
 from ..grammar import CompiledGrammar, Constraint
 from ..params import SamplingParams
 from ..text import encode_infill, encode_messages, encode_prompt, token_bytes
 from ..threads import os_lock
-from .concurrency import EngineThread, watch_disconnect
+from .concurrency import EngineThread, client_gone, watch_disconnect
 from .config import Settings
 from .errors import ApiError
 from .generation import Generation
@@ -241,15 +241,23 @@ class Service:
         """Wait for the engine (503 when overloaded), for a request that decodes several prompts in one turn:
         `generation(..., slot=...)` for each; released by `finish`, if not before."""
         self._refuse_if_draining(record.started)
-        record.slot = self._take_engine()
+        record.slot = self._take_engine(record)
         return record.slot
 
-    def _take_engine(self) -> Slot:
+    def _take_engine(self, record: RequestRecord) -> Slot:
+        """The engine, once it is this request's turn; a client that left while it waited in line is not decoded
+        for (its prompt's prefill alone holds the engine for seconds on a large pair): 499, logged as cancelled."""
         try:
-            return self.scheduler.acquire()
+            slot = self.scheduler.acquire()
         except Overloaded as error:
             raise ApiError(503, "overloaded", str(error),
                            headers={"Retry-After": str(self.settings.retry_after)}) from None
+        if slot.queued and has_request_context() and client_gone(request.environ.get("gunicorn.socket")):
+            slot.release()
+            record.finish_reason = "cancelled"
+            raise ApiError(499, "client_gone", "the client closed the connection while the request waited for "
+                                               "the engine")
+        return slot
 
     def generation(self, prompt_ids: list[int], sampling: SamplingParams, record: RequestRecord, stop=(),
                    details: bool = False, slot: Slot | None = None,
@@ -263,7 +271,7 @@ class Service:
         if sampling.seed is None:
             sampling = sampling.replace(seed=secrets.randbits(63))
         self._refuse_if_draining(record.started)  # the one way into the engine, whichever route comes this way
-        slot = self._take_engine() if slot is None else _Borrowed(slot)
+        slot = self._take_engine(record) if slot is None else _Borrowed(slot)
         try:  # arguments are checked here; decoding starts on the engine thread, at the first round
             stream = self.decoder.stream(prompt_ids, params=sampling, eos_token_id=self.models.eos_token_ids,
                                          grammar=grammar)

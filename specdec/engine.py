@@ -116,6 +116,18 @@ def _as_ids(value) -> list[int]:
     return [int(value)] if isinstance(value, int) else [int(v) for v in value]
 
 
+def _checked_eos(value, vocab_size: int) -> list[int]:
+    """A caller's eos_token_id (an id, a list of ids or a tensor) as a list of ids of the vocabulary; a SpecDecError
+    naming it otherwise (a typo would have disabled stopping without a word)."""
+    ids = value.tolist() if isinstance(value, torch.Tensor) else value
+    ids = [ids] if isinstance(ids, int) else ids
+    if not isinstance(ids, (list, tuple, set, frozenset)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+        raise SpecDecError(f"eos_token_id must be a token id or a list of token ids of the vocabulary of "
+                           f"{vocab_size} tokens, got {value!r}", field="eos_token_id")
+    return list(ids)
+
+
 def seeded_generator(seed: int) -> torch.Generator:
     """A request's generator: its 64-bit seed mixed by splitmix64 first, since torch's CPU generator keeps only the
     low 32 bits of the seed it is given (seeds 2**32 apart drew the same samples)."""
@@ -451,6 +463,8 @@ class SpeculativeDecoder:
         if grammar is not None and params.ignore_eos:
             raise SpecDecError("ignore_eos cannot be combined with a grammar constraint, which ends with an "
                                "end-of-sequence token", field="ignore_eos")
+        if eos_token_id is not None:
+            eos_token_id = _checked_eos(eos_token_id, self.vocab_size)
         eos = eos_token_ids(self.target_model, eos_token_id=eos_token_id)
         req = _Request(prompt, params, self.context_length, seed, set(params.ending_tokens(eos)),
                        self.vocab_size, cache_prompt=self.caches_prompt(params),

@@ -248,6 +248,13 @@ LOOKUP_KEYS = {"max_ngram": "lookup_max_ngram", "max_tokens": "lookup_max_tokens
                "hybrid_min_match": "hybrid_min_match", "extend": "hybrid_extend"}
 
 
+HYBRID_MIN_MATCH = 3  # LookupSettings.hybrid_min_match's default
+
+
+def _is_default_hybrid_min_match(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value == HYBRID_MIN_MATCH
+
+
 @dataclass(frozen=True)
 class LookupSettings:
     """Prompt lookup's knobs. The defaults were chosen by measurement on the default pair. Replaying the greedy
@@ -264,12 +271,16 @@ class LookupSettings:
     max_ngram: int = 8  # the longest suffix tried first; shorter ones down to min_match after it
     max_tokens: int = 6  # proposals per round at most
     min_match: int = 1  # LookupDrafter proposes on a match this long or longer
-    hybrid_min_match: int = 3  # HybridDrafter hands a position to the lookup on a match this long or longer
+    # HybridDrafter hands a position to the lookup on a match this long or longer (the default, 3, is cut to
+    # max_ngram where that is shorter: setting max_ngram alone never fails for a default left as it is)
+    hybrid_min_match: int = HYBRID_MIN_MATCH
     extend: bool = True  # HybridDrafter: may a round mix the drafters (the lookup continuing the model's run)?
 
     def __post_init__(self):
         _integer(self.max_ngram, "max_ngram", 1)
         _integer(self.max_tokens, "max_tokens", 1)
+        if _is_default_hybrid_min_match(self.hybrid_min_match) and self.max_ngram < HYBRID_MIN_MATCH:
+            object.__setattr__(self, "hybrid_min_match", self.max_ngram)
         for name in ("min_match", "hybrid_min_match"):  # a match is at most max_ngram tokens long
             _integer(getattr(self, name), name, 1, self.max_ngram)
         if not isinstance(self.extend, bool):

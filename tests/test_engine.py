@@ -310,8 +310,9 @@ def test_eos_inside_accepted_draft_run():
         result = decoder.generate(PROMPT, max_new_tokens=12, method=method, gamma=8, temperature=0, eos_token_id=eos)
         assert result.token_ids == greedy[: first + 1]
         assert result.finish_reason == "stop"
+    other = next(token for token in range(decoder.vocab_size) if token not in greedy)
     result = decoder.generate(PROMPT, max_new_tokens=12, method="google", gamma=8, temperature=0,
-                              eos_token_id=[10_000, eos])
+                              eos_token_id=[other, eos])
     assert result.token_ids[-1] == eos and result.sources[-1] == "draft"
 
 
@@ -541,6 +542,11 @@ def test_caches_hold_committed_prefix_after_each_round(pair, monkeypatch):
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": "5"}, "stop_token_ids"),
     ({"stop_token_ids": [1.5]}, "stop_token_ids"), ({"stop_token_ids": [True]}, "stop_token_ids"),
     ({"stop_token_ids": 5}, "stop_token_ids"),
+    # an audit: "x" and 2.7 raised int()'s own errors; True was token 1; an id past the vocabulary was taken and
+    # never matched, stopping nothing
+    ({"eos_token_id": "x"}, "eos_token_id"), ({"eos_token_id": 2.7}, "eos_token_id"),
+    ({"eos_token_id": True}, "eos_token_id"), ({"eos_token_id": 10_000}, "eos_token_id"),
+    ({"eos_token_id": [-5]}, "eos_token_id"), ({"eos_token_id": [1, "2"]}, "eos_token_id"),
 ])
 def test_bad_arguments_raise_clear_error(decoder, kwargs, field):
     with pytest.raises(SpecDecError) as err:
@@ -588,6 +594,16 @@ def test_a_sampling_keyword_beside_params_is_refused_not_ignored(decoder, keywor
     assert error.value.field == name
     assert len(decoder.generate([1, 2, 3], params=SamplingParams(max_new_tokens=8, seed=0), eos_token_id=[])
                .token_ids) == 8  # the end tokens are not a sampling keyword
+
+
+def test_max_ngram_alone_below_the_hybrids_default_match_is_taken():
+    """An audit: LookupSettings(max_ngram=2) (and --lookup_max_ngram 2, lookup_max_ngram = 2) was refused for a
+    hybrid_min_match of 3 nobody had set. The default is cut to max_ngram; a value set past it is still refused."""
+    assert LookupSettings(max_ngram=2).hybrid_min_match == 2 and LookupSettings().hybrid_min_match == 3
+    assert LookupSettings(max_ngram=5).hybrid_min_match == 3
+    with pytest.raises(SpecDecError, match="between 1 and 2") as error:
+        LookupSettings(max_ngram=2, hybrid_min_match=4)
+    assert error.value.field == "hybrid_min_match"
 
 
 def test_lookup_settings_may_be_a_dict_and_anything_else_is_refused(pair):

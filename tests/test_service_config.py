@@ -93,6 +93,8 @@ def test_lookup_settings_default_to_the_measured_ones_and_come_from_the_environm
                                       "SPECDEC_HYBRID_EXTEND": "true"})
     assert settings.lookup == LookupSettings(max_ngram=5, max_tokens=10, min_match=2, hybrid_min_match=3,
                                              extend=True)
+    # lookup_max_ngram alone below the default hybrid_min_match: the default is cut to it (it was refused)
+    assert load_settings(environ={"SPECDEC_LOOKUP_MAX_NGRAM": "2"}).lookup.hybrid_min_match == 2
 
 
 def test_loader_may_be_an_import_path():
@@ -116,7 +118,8 @@ def test_loader_may_be_an_import_path():
     ({"SPECDEC_LOADER": "no.such.module:load"}, {}, ["loader", "cannot import"]),
     ({"SPECDEC_LOOKUP_MAX_TOKENS": "0"}, {}, ["lookup_max_tokens = '0'", "SPECDEC_LOOKUP_MAX_TOKENS"]),
     ({"SPECDEC_HYBRID_MIN_MATCH": "9"}, {}, ["hybrid_min_match (9) exceeds lookup_max_ngram (8)"]),
-    ({}, {"lookup_max_ngram": 2}, ["hybrid_min_match (3) exceeds lookup_max_ngram (2)"]),
+    ({}, {"lookup_max_ngram": 2, "hybrid_min_match": 4}, ["hybrid_min_match (4) exceeds lookup_max_ngram (2)"]),
+    ({}, {"lookup_max_ngram": 2, "lookup_min_match": 3}, ["lookup_min_match (3) exceeds lookup_max_ngram (2)"]),
     ({"SPECDEC_HYBRID_EXTEND": "sometimes"}, {}, ["hybrid_extend", "SPECDEC_HYBRID_EXTEND"]),
     ({"SPECDEC_STREAM_INTERVAL": "-0.1"}, {}, ["stream_interval = '-0.1'", "SPECDEC_STREAM_INTERVAL"]),
     ({"SPECDEC_CONFIG": "/no/such/file.toml"}, {}, ["SPECDEC_CONFIG", "/no/such/file.toml", "does not exist"]),

@@ -20,7 +20,16 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import SpecDecError
-from ..params import DRAFTERS, LOOKUP_KEYS, MAX_GAMMA, SERVED_METHODS, VERIFICATIONS, LookupSettings, SamplingParams
+from ..params import (
+    DRAFTERS,
+    HYBRID_MIN_MATCH,
+    LOOKUP_KEYS,
+    MAX_GAMMA,
+    SERVED_METHODS,
+    VERIFICATIONS,
+    LookupSettings,
+    SamplingParams,
+)
 
 DEFAULT_FILE = Path(__file__).resolve().parents[2] / "config" / "default.toml"
 ENV_PREFIX = "SPECDEC_"
@@ -234,6 +243,8 @@ class Settings(BaseModel):
             raise ValueError(f"{error.field}: {error.message}") from None
         limit = LOOKUP_KEYS["max_ngram"]
         for key in (LOOKUP_KEYS["min_match"], LOOKUP_KEYS["hybrid_min_match"]):
+            if key == LOOKUP_KEYS["hybrid_min_match"] and getattr(self, key) == HYBRID_MIN_MATCH:
+                continue  # the default, cut to lookup_max_ngram where that is shorter (LookupSettings)
             if getattr(self, key) > getattr(self, limit):
                 raise ValueError(f"{key} ({getattr(self, key)}) exceeds {limit} ({getattr(self, limit)})")
         return self

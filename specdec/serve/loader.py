@@ -82,7 +82,8 @@ class ModelHost:
             draft, target, tokenizer = (s.loader or load_configured_pair)(s)
             decoder = SpeculativeDecoder(draft, target, tokenizer, lookup=s.lookup,
                                          prompt_cache_bytes=prompt_cache_budget(s, draft, target))
-            self.eos_token_ids = sorted(eos_token_ids(target, tokenizer))
+            # those the pair can produce (a checkpoint's config may name one past its vocabulary: it ends nothing)
+            self.eos_token_ids = sorted(i for i in eos_token_ids(target, tokenizer) if 0 <= i < decoder.vocab_size)
             with startup_step("warmed up (two greedy tokens)"):
                 warmup = tokenizer.encode("Hello", add_special_tokens=False)[:1] or [0]
                 decoder.generate(warmup, params=s.sampling.replace(max_new_tokens=2, temperature=0.0,

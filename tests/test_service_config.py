@@ -62,6 +62,36 @@ def test_draft_vocab_size_from_the_file_and_the_environment(monkeypatch):
     assert seen["draft_vocab_size"] == 4096
 
 
+def test_device_map_and_trust_remote_code_reach_load_pair(monkeypatch):
+    """Issue 3: "trust_remote_code is off unless the configuration turns it on", and a target too large for one GPU
+    spreads over several with accelerate's device_map; the service had neither setting (an audit)."""
+    from specdec.serve import loader
+
+    seen = {}
+    monkeypatch.setattr("specdec.models.pair.load_pair", lambda **kwargs: seen.update(kwargs))
+    loader.load_configured_pair(load_settings(environ={}))
+    assert (seen["device_map"], seen["trust_remote_code"]) == (None, False)
+    loader.load_configured_pair(load_settings(environ={"SPECDEC_DEVICE_MAP": " Auto ",
+                                                      "SPECDEC_TRUST_REMOTE_CODE": "true"}))
+    assert (seen["device_map"], seen["trust_remote_code"]) == ("auto", True)
+    for name, bad in (("DEVICE_MAP", "everywhere"), ("TRUST_REMOTE_CODE", "perhaps")):
+        with pytest.raises(ConfigError, match=name.lower()):
+            load_settings(environ={f"SPECDEC_{name}": bad})
+
+
+def test_a_service_with_a_device_map_answers_as_without(tiny_pair_dirs, clean_env):
+    from specdec.serve import create_app
+
+    texts = []
+    for device_map in ("none", "auto"):  # on this CPU, accelerate places the whole target on it
+        app = create_app({"draft_model": tiny_pair_dirs[0], "target_model": tiny_pair_dirs[1], "device": "cpu",
+                          "device_map": device_map})
+        assert app.extensions["specdec"].wait_until_loaded(120)
+        texts.append(app.test_client().post("/predict", json={"prompt": "Who is", "max_new_tokens": 20,
+                                                              "temperature": 0}).get_json()["text"])
+    assert texts[0] == texts[1] and texts[0]
+
+
 def test_drafter_and_verification_from_the_environment():
     settings = load_settings(environ={"SPECDEC_DRAFTER": "Hybrid", "SPECDEC_VERIFICATION": "block"})
     assert (settings.sampling.drafter, settings.sampling.verification) == ("hybrid", "block")

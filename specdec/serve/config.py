@@ -63,6 +63,9 @@ class Settings(BaseModel):
     draft_model: str = Field(min_length=1)
     device: str = Field(min_length=1)
     dtype: Literal["auto", "float32", "float16", "bfloat16"]
+    # accelerate's device map for the target ("none": the whole target on `device`)
+    device_map: Literal["none", "auto", "balanced", "balanced_low_0", "sequential"]
+    trust_remote_code: bool  # run a hub model's own code (its repository's modeling files)
     draft_quantization: Literal["auto", "int8", "int4", "none"]
     compile: Literal["auto", "true", "false"]
     weights: Literal["shipped", "float"]
@@ -166,8 +169,8 @@ class Settings(BaseModel):
             return None
         return value
 
-    @field_validator("log_level", "dtype", "draft_quantization", "drafter", "verification", "compile", "weights",
-                     "quantize", mode="before")
+    @field_validator("log_level", "dtype", "device_map", "draft_quantization", "drafter", "verification", "compile",
+                     "weights", "quantize", mode="before")
     @classmethod
     def _lower(cls, value):
         if isinstance(value, bool):  # compile = true in a TOML file

@@ -212,3 +212,23 @@ def test_make_models_keeps_the_int8_draft_once(draft, quantizations, tmp_path):
     loading.keep_int8_draft(draft)
     assert len(quantizations) == 2 and form_of(draft).looks_current()
     assert loading.keep_int8_draft(ModelSource(str(tmp_path))) is None  # outside the cache: nothing kept
+
+
+def test_a_killed_starts_joined_gguf_is_removed_by_the_next_and_a_live_ones_kept(tmp_path, monkeypatch):
+    """gguf_file joins the default pair's parts in a scratch folder of the cache; a start killed meanwhile left its
+    0.5-1 GB there, which nothing removed (an audit). The next join removes those whose process is gone."""
+    from types import SimpleNamespace
+
+    from specdec.models import default_pair, shipped
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_pair, "join_parts", lambda origin, joined: joined.write_bytes(b"GGUF"))
+    dead = tmp_path / f"{shipped.SCRATCH_PREFIX}999999999-abc"
+    live = tmp_path / f"{shipped.SCRATCH_PREFIX}{os.getpid()}-xyz"
+    for folder in (dead, live):
+        folder.mkdir()
+        (folder / "model.gguf").write_bytes(b"left")
+    with shipped.gguf_file(SimpleNamespace(filename="model.gguf")) as joined:
+        assert joined.read_bytes() == b"GGUF" and joined.parent.name.startswith(shipped.SCRATCH_PREFIX)
+        assert not dead.exists() and live.exists()
+    assert not joined.parent.exists() and sorted(tmp_path.iterdir()) == [live]

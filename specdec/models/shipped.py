@@ -14,7 +14,9 @@ import contextlib
 import hashlib
 import inspect
 import logging
+import os
 import platform
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -188,10 +190,31 @@ def gguf_file(origin):
         return
     from .default_pair import join_parts
 
-    with tempfile.TemporaryDirectory(dir=cache_root()) as scratch:
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f"{SCRATCH_PREFIX}*"):  # a killed start's (its process gone): hundreds of MB, never used
+        if not _alive(stale.name.removeprefix(SCRATCH_PREFIX).partition("-")[0]):
+            shutil.rmtree(stale, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-", dir=root) as scratch:
         joined = Path(scratch) / origin.filename
         join_parts(origin, joined)
         yield joined
+
+
+SCRATCH_PREFIX = ".gguf-join-"  # gguf_file's scratch folders in the cache: the prefix, the owner's pid, a dash
+
+
+def _alive(pid: str) -> bool:
+    """Whether the process `pid` (text) runs; False for text that is no pid."""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _embeddings(model: nn.Module) -> frozenset[str]:

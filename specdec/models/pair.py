@@ -136,27 +136,35 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
         if cpu_kernels and device.type == "cpu" and device_map is None and not kept["target"] else None
     try:
         tokenizer = load_and_check_tokenizers(draft_source, target_source, trust_remote_code)
-        draft_model = kept["draft"] and load_shipped(draft_source, "draft", dtype, trust_remote_code,
-                                                     draft_requantize) \
-            or load_draft(draft_source, device, dtype, draft_quantization, trust_remote_code, cpu_kernels)
+        draft_model = load_shipped(draft_source, "draft", dtype, trust_remote_code, draft_requantize) \
+            if kept["draft"] else None
+        kept["draft"] = draft_model is not None  # a kept form found unusable is packed again below
+        if draft_model is None:
+            draft_model = load_draft(draft_source, device, dtype, draft_quantization, trust_remote_code, cpu_kernels)
     except BaseException:
         if pending is not None:
             pending.drop()
         raise
-    target_model = kept["target"] and load_shipped(target_source, "target", dtype, trust_remote_code) \
-        or load_model(target_source, "target", device, dtype, device_map, trust_remote_code, cpu_kernels, pending)
+    target_model = load_shipped(target_source, "target", dtype, trust_remote_code) if kept["target"] else None
+    kept["target"] = target_model is not None
+    if target_model is None:
+        target_model = load_model(target_source, "target", device, dtype, device_map, trust_remote_code, cpu_kernels,
+                                  pending)
     check_vocabularies(draft_model, target_model, tokenizer)
     vocab_size = target_model.config.get_text_config(decoder=True).vocab_size
     if len(tokenizer) > vocab_size:
         raise SpecDecError(f"the tokenizer has {len(tokenizer)} tokens but the models only {vocab_size} logits",
                            field="target_model")
-    if shipped and (gguf_origin(draft_source) or gguf_origin(target_source)):
+    # (models read from their kept forms have their GGUF layers in place already: no step, no "0 layers" line)
+    if shipped and (gguf_origin(draft_source) or gguf_origin(target_source)) and not (kept["draft"] and kept["target"]):
         with startup_step("the GGUF's own weights") as note:
             counts = [use_shipped_weights(draft_model, draft_source, draft_requantize),
                       use_shipped_weights(target_model, target_source)]
             release_free_memory()
-            note["detail"] = f"draft: {counts[0]} layers{' (4-bit)' if draft_requantize else ''}; target: " \
-                             f"{counts[1]} layers"
+            note["detail"] = "; ".join(
+                f"{role}: " + ("from its kept form" if kept[role] else
+                               f"{count} layers{' (4-bit)' if role == 'draft' and draft_requantize else ''}")
+                for role, count in zip(("draft", "target"), counts))
     if (bits["target"] or bits["draft"]) and device.type == "cuda":
         with startup_step("int4 layers for torch's CUDA kernel (a GGUF's Q4_K layers as shipped, a float model's "
                           "quantized: this changes the model)") as note:

@@ -46,7 +46,8 @@ TITLES = {
 LOOKUP_HELP = {"max_ngram": "prompt lookup matches suffixes of up to N tokens first, then shorter ones",
                "max_tokens": "prompt lookup proposes up to N tokens per round",
                "min_match": "--drafter lookup proposes on a match of N tokens or more",
-               "hybrid_min_match": "--drafter hybrid hands a position to the lookup on a match of N tokens or more",
+               "hybrid_min_match": "--drafter hybrid hands a position to the lookup on a match of N tokens or more "
+                                   "(3, the default, is cut to a shorter --lookup_max_ngram)",
                "extend": "let a hybrid round mix the drafters (the lookup continuing the draft model's run)"}
 DRAFTER_TITLES = {"model": "the draft model proposing", "lookup": "prompt lookup proposing",
                   "hybrid": "prompt lookup where it matches, the draft model elsewhere"}

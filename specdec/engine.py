@@ -36,6 +36,7 @@ from .params import (
     VERIFICATIONS,
     SamplingParams,
     splitmix64,
+    token_ids,
 )
 from .prompt_cache import PromptCache, reusable
 from .prompt_cache import crop as crop_cache
@@ -120,12 +121,16 @@ def _checked_eos(value, vocab_size: int) -> list[int]:
     """A caller's eos_token_id (an id, a list of ids or a tensor) as a list of ids of the vocabulary; a SpecDecError
     naming it otherwise (a typo would have disabled stopping without a word)."""
     ids = value.tolist() if isinstance(value, torch.Tensor) else value
-    ids = [ids] if isinstance(ids, int) else ids
-    if not isinstance(ids, (list, tuple, set, frozenset)) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
-        raise SpecDecError(f"eos_token_id must be a token id or a list of token ids of the vocabulary of "
-                           f"{vocab_size} tokens, got {value!r}", field="eos_token_id")
+    ids = token_ids([ids] if isinstance(ids, int) else list(ids) if isinstance(ids, (set, frozenset)) else ids,
+                    "eos_token_id") or ()
+    _in_vocabulary(ids, vocab_size, "eos_token_id")
     return list(ids)
+
+
+def _in_vocabulary(ids: tuple[int, ...], vocab_size: int, name: str) -> None:
+    """A SpecDecError naming `name` if one of the sorted `ids` is past the vocabulary."""
+    if ids and ids[-1] >= vocab_size:
+        raise SpecDecError(f"{name}: token {ids[-1]} is not in the vocabulary of {vocab_size} tokens", field=name)
 
 
 def seeded_generator(seed: int) -> torch.Generator:
@@ -451,9 +456,7 @@ class SpeculativeDecoder:
         if grammar is not None and grammar.vocab_size != self.vocab_size:
             raise SpecDecError(f"the grammar was compiled for {grammar.vocab_size} tokens, the pair has "
                                f"{self.vocab_size}", field="grammar")
-        if params.stop_token_ids and params.stop_token_ids[-1] >= self.vocab_size:
-            raise SpecDecError(f"stop_token_ids: token {params.stop_token_ids[-1]} is not in the vocabulary of "
-                               f"{self.vocab_size} tokens", field="stop_token_ids")
+        _in_vocabulary(params.stop_token_ids, self.vocab_size, "stop_token_ids")
         if grammar is not None and params.stop_token_ids:
             raise SpecDecError("stop_token_ids cannot be combined with a grammar constraint, which decides where "
                                "the output ends", field="stop_token_ids")

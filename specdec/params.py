@@ -136,7 +136,7 @@ class SamplingParams:
                 raise SpecDecError(f"{name} must be between {-MAX_PENALTY:g} and {MAX_PENALTY:g}, got {penalty:g}",
                                    field=name)
             object.__setattr__(self, name, penalty)
-        object.__setattr__(self, "stop_token_ids", _token_ids(self.stop_token_ids, "stop_token_ids"))
+        object.__setattr__(self, "stop_token_ids", token_ids(self.stop_token_ids, "stop_token_ids"))
         repetition = _finite(self.repetition_penalty, "repetition_penalty")
         low, high = REPETITION_PENALTY_BOUNDS
         if not low <= repetition <= high:
@@ -200,7 +200,7 @@ def _integer(value, name: str, low: int, high: int | None = None) -> int:
     return value
 
 
-def _token_ids(value, name: str) -> tuple[int, ...] | None:
+def token_ids(value, name: str) -> tuple[int, ...] | None:
     """Token ids as a sorted tuple without repeats, None for none (or an empty list); SpecDecError naming `name`."""
     if value is None:
         return None

@@ -598,7 +598,8 @@ def test_a_sampling_keyword_beside_params_is_refused_not_ignored(decoder, keywor
 
 def test_max_ngram_alone_below_the_hybrids_default_match_is_taken():
     """An audit: LookupSettings(max_ngram=2) (and --lookup_max_ngram 2, lookup_max_ngram = 2) was refused for a
-    hybrid_min_match of 3 nobody had set. The default is cut to max_ngram; a value set past it is still refused."""
+    hybrid_min_match of 3 nobody had set. The default's value, 3, is cut to max_ngram (the service's default.toml
+    sets it, so 3 cannot be told from the default); any other value past max_ngram is still refused."""
     assert LookupSettings(max_ngram=2).hybrid_min_match == 2 and LookupSettings().hybrid_min_match == 3
     assert LookupSettings(max_ngram=5).hybrid_min_match == 3
     with pytest.raises(SpecDecError, match="between 1 and 2") as error:

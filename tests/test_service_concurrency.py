@@ -289,3 +289,45 @@ def _returns(value):
     yield from ()
     return value
 
+
+
+@pytest.mark.parametrize("descriptor", [None, 1100])
+def test_client_gone_tells_a_client_that_left_from_one_still_there_at_any_descriptor(monkeypatch, descriptor):
+    """How a request that waited in line finds its client gone (service._take_engine). It asked select(), which
+    refuses descriptors past 1024, and took that refusal for a gone client: a worker holding its 1,024 connections
+    would have answered 499 to clients still there (a review). A pipelined next request is a client still there."""
+    import socket
+
+    from specdec.serve import concurrency
+
+    monkeypatch.setattr(concurrency, "gevent_patched", lambda: True)
+    if descriptor is not None:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and hard <= descriptor:
+            pytest.skip(f"the open-file limit ({hard}) is below descriptor {descriptor}")
+        if soft != resource.RLIM_INFINITY and soft <= descriptor:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (descriptor + 1, hard))
+        original = (soft, hard)
+
+    def server_side(pair_end: socket.socket) -> socket.socket:
+        if descriptor is None:
+            return pair_end
+        os.dup2(pair_end.fileno(), descriptor)
+        pair_end.close()
+        return socket.socket(fileno=descriptor)
+
+    try:
+        server, client = socket.socketpair()
+        server = server_side(server)
+        assert not concurrency.client_gone(server)  # nothing to read: there, waiting for its answer
+        client.sendall(b"GET /next HTTP/1.1\r\n\r\n")
+        assert not concurrency.client_gone(server)  # its next request, pipelined
+        server.close()
+        server, client = socket.socketpair()
+        server = server_side(server)
+        client.close()
+        assert concurrency.client_gone(server)  # the connection's end
+        server.close()
+    finally:
+        if descriptor is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, original)

@@ -344,20 +344,27 @@ def client_gone(sock) -> bool:
         return False
     import select
 
-    try:
-        readable = select.select([sock], [], [], 0)[0]
+    from gevent.monkey import get_original
+
+    try:  # the OS's own poll, at once: no limit on descriptor numbers (select's is 1024), nothing waited for
+        poll = get_original("select", "poll")()
+        poll.register(sock.fileno(), select.POLLIN)
+        readable = bool(poll.poll(0))
     except (OSError, ValueError):  # the socket closed under us
         return True
-    return bool(readable) and _hung_up(sock)
+    return readable and _hung_up(sock)
 
 
 def _hung_up(sock) -> bool:
     """For a readable socket whose request was read whole: whether what is there is the connection's end (or a
-    reset), not the client's next request on a kept-alive connection. A client that half-closes counts as gone."""
+    reset), not the client's next request on a kept-alive connection. A client that half-closes counts as gone.
+    Where it cannot be told (a TLS socket takes no MSG_PEEK), the client is taken to be there."""
     import socket
 
     try:
         return sock.recv(1, socket.MSG_PEEK) == b""
+    except ValueError:
+        return False
     except OSError:
         return True
 

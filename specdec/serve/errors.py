@@ -18,6 +18,9 @@ logger = logging.getLogger(__name__)
 HTTP_ERROR_TYPES = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "body_too_large",
                     415: "unsupported_media_type"}
 ENGINE_FIELDS = {"input_ids": "prompt"}  # engine argument -> request field
+# the headers of an answer that leaves the request's body unread (408, 413): the connection cannot go on (the server
+# would wait for the rest of the body, and the client's next request there would be lost; RFC 9110, 15.5.9)
+CLOSE = {"Connection": "close"}
 ERROR_TYPES = ["invalid_json", "not_found", "method_not_allowed", "body_too_large", "unsupported_media_type",
                "invalid_field", "prompt_too_long", "overloaded", "not_ready", "internal_error", "bad_request",
                "unauthorized", "body_timeout", "shutting_down", "client_gone"]
@@ -58,8 +61,8 @@ def to_api_error(error: Exception, request_id: str | None) -> ApiError:
         else:
             message = error.description
         headers = {k: v for k, v in error.get_headers() if k.lower() == "allow"}
-        if error.code == 413:  # the body was left unread: the connection cannot go on (protocol.read_json_object)
-            headers["Connection"] = "close"
+        if error.code == 413:  # the body was left unread
+            headers |= CLOSE
         return ApiError(error.code, HTTP_ERROR_TYPES.get(error.code, "bad_request"), message, headers=headers)
     request_id = request_id or "-"
     if isinstance(error, (torch.OutOfMemoryError, MemoryError)):

@@ -276,8 +276,8 @@ class _Request(BaseModel):
     stop: Annotated[StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None,
                     BeforeValidator(_stop_strings)] = Field(
         None, description=f"up to {MAX_STOP_STRINGS} strings; the completion ends before the first one found, "
-                          f"which is not returned; not with response_format, structured_outputs or tools (unless "
-                          f"tool_choice is none)")
+                          f"which is not returned; not with response_format, structured_outputs or a required or "
+                          f"named tool_choice (under auto, a call it cuts is given as far as it was decoded)")
     stream: bool | None = Field(None, description="answer with Server-Sent Events of chunks")
     stream_options: StreamOptions | None = Field(
         None, description="for a stream; an answer that is not streamed always has its usage")
@@ -508,7 +508,7 @@ class ChatCompletionRequest(_ChatTemplating, _Request):
             raise PydanticCustomError("invalid_value", "ignore_eos cannot be combined with tools (unless tool_choice "
                                       "is none): their grammar ends the answer with an end-of-sequence token",
                                       {"param": "ignore_eos"})
-        if self.stop and self.calls_tools:
+        if self.stop and self.calls_tools and self.tool_choice not in (None, "auto"):  # the answer is a call
             raise PydanticCustomError("invalid_value", STOP_CONSTRAINED, {"param": "stop"})
         return self
 

@@ -30,7 +30,7 @@ from ..params import (
 )
 from .concurrency import TimeLimitExceeded, time_limit
 from .config import Settings
-from .errors import ApiError
+from .errors import CLOSE, ApiError
 from .structured import Constraint, ResponseFormat, StructuredOutputs, request_constraint
 
 MAX_STOP_STRINGS = 16
@@ -65,9 +65,9 @@ MIN_TOKENS_DESCRIPTION = ("generate at least this many tokens (vLLM's; default 0
 IGNORE_EOS_CONSTRAINED = ("ignore_eos cannot be combined with response_format or structured_outputs: a constrained "
                           "answer ends with an end-of-sequence token")
 # why a request's stop strings are refused beside a constraint (/predict and /v1)
-STOP_CONSTRAINED = ("stop cannot be combined with response_format, structured_outputs or tools (unless tool_choice is "
-                    "none): the grammar decides where the answer ends, and a stop string would cut it where it "
-                    "does not parse")
+STOP_CONSTRAINED = ("stop cannot be combined with response_format, structured_outputs or a required or named "
+                    "tool_choice: the grammar decides where the answer ends, and a stop string would cut it where "
+                    "it does not parse")
 SEED_DESCRIPTION = ("the same seed and request give the same completion (with cache_prompt false; with the prompt "
                     "cache, only where it holds the same); default random")
 CACHE_PROMPT_DESCRIPTION = ("start from the prompt cache (reuse what an earlier request shared with this prompt) and "
@@ -158,7 +158,7 @@ class PredictRequest(BaseModel):
                                                      description=CONFIDENCE_DESCRIPTION)
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
         None, max_length=MAX_STOP_STRINGS, description="the completion ends before the first one found; not with "
-                                                      "structured_outputs")
+                                                      "response_format or structured_outputs")
     chat: bool | None = Field(None, description="wrap the prompt in the model's chat template")
     cache_prompt: bool | None = Field(None, description=CACHE_PROMPT_DESCRIPTION)
     ignore_eos: bool | None = Field(None, description=IGNORE_EOS_DESCRIPTION)
@@ -204,9 +204,6 @@ class PredictParams:
     details: bool = False
     stream: bool = False
     constraint: Constraint | None = None  # what the completion must match
-
-
-CLOSE = {"Connection": "close"}  # the headers of an answer after which the connection cannot go on
 
 
 def read_json_object(request, max_bytes: int, timeout: float | None = None) -> dict:

@@ -252,7 +252,12 @@ class Service:
         except Overloaded as error:
             raise ApiError(503, "overloaded", str(error),
                            headers={"Retry-After": str(self.settings.retry_after)}) from None
-        if slot.queued and has_request_context() and client_gone(request.environ.get("gunicorn.socket")):
+        try:
+            gone = slot.queued and has_request_context() and client_gone(request.environ.get("gunicorn.socket"))
+        except BaseException:
+            slot.release()
+            raise
+        if gone:
             slot.release()
             record.finish_reason = "cancelled"
             raise ApiError(499, "client_gone", "the client closed the connection while the request waited for "

@@ -76,8 +76,10 @@ class Worker(GeventWorker):
         """`app`, whose answers saying `Connection: close` make gunicorn close the connection after them."""
         def closing_app(environ, start_response):
             def start(status, headers, exc_info=None):
-                if any(name.lower() == "connection" and value.lower() == "close" for name, value in headers):
-                    self._connection.request.must_close = True  # gunicorn's own mark (its Response reads it)
+                req = getattr(self._connection, "request", None)  # None on a path past handle_request (HTTP/2)
+                if req is not None and any(name.lower() == "connection" and value.lower() == "close"
+                                           for name, value in headers):
+                    req.must_close = True  # gunicorn's own mark (its Response reads it)
                 return start_response(status, headers, exc_info)
             return app(environ, start)
         return closing_app

@@ -19,6 +19,7 @@ MAX_GAMMA = 64  # a hard bound on proposals per round; adaptive gamma stays far 
 ADAPTIVE_MAX_GAMMA = 8
 MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32; 0 means greedy
 MAX_LOGPROBS = 20  # the most alternatives a request may ask for per token (OpenAI's bound)
+MAX_LOOKUP = 64  # the longest suffix prompt lookup matches, and the most it proposes in a round
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # seeds are taken modulo 2**64
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's bound): -100 bans a token, 100 all but forces it
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's bound)
@@ -277,8 +278,8 @@ class LookupSettings:
     extend: bool = True  # HybridDrafter: may a round mix the drafters (the lookup continuing the model's run)?
 
     def __post_init__(self):
-        _integer(self.max_ngram, "max_ngram", 1)
-        _integer(self.max_tokens, "max_tokens", 1)
+        _integer(self.max_ngram, "max_ngram", 1, MAX_LOOKUP)
+        _integer(self.max_tokens, "max_tokens", 1, MAX_LOOKUP)
         if _is_default_hybrid_min_match(self.hybrid_min_match) and self.max_ngram < HYBRID_MIN_MATCH:
             object.__setattr__(self, "hybrid_min_match", self.max_ngram)
         for name in ("min_match", "hybrid_min_match"):  # a match is at most max_ngram tokens long

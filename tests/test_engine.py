@@ -605,6 +605,11 @@ def test_max_ngram_alone_below_the_hybrids_default_match_is_taken():
     with pytest.raises(SpecDecError, match="between 1 and 2") as error:
         LookupSettings(max_ngram=2, hybrid_min_match=4)
     assert error.value.field == "hybrid_min_match"
+    # the bound the service's settings had alone (64): the API and the command line took 100 (an audit)
+    for field in ("max_ngram", "max_tokens"):
+        with pytest.raises(SpecDecError, match="between 1 and 64") as error:
+            LookupSettings(**{field: 65})
+        assert error.value.field == field
 
 
 def test_lookup_settings_may_be_a_dict_and_anything_else_is_refused(pair):

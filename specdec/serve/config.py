@@ -15,7 +15,7 @@ import tomllib
 import typing
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -25,6 +25,7 @@ from ..params import (
     HYBRID_MIN_MATCH,
     LOOKUP_KEYS,
     MAX_GAMMA,
+    MAX_LOOKUP,
     SERVED_METHODS,
     VERIFICATIONS,
     LookupSettings,
@@ -52,6 +53,11 @@ class ConfigError(ValueError):
     """Configuration that the service cannot start with. The message says which key, from where, and why."""
 
 
+# bounds a setting and a request field share (SamplingParams checks the same ones, for every caller)
+TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+
+
 class Settings(BaseModel):
     """The validated service configuration. Every key except `loader` has its default in config/default.toml."""
 
@@ -75,15 +81,15 @@ class Settings(BaseModel):
     drafter: Literal[DRAFTERS]
     verification: Literal[VERIFICATIONS]
     # None ("auto"): DEFAULT_PAIR_CONFIDENCE_THRESHOLD for the default pair loaded by the default loader, else 0
-    draft_confidence_threshold: float | None = Field(ge=0, le=1, allow_inf_nan=False)
+    draft_confidence_threshold: Probability | None
     gamma: int | None = Field(ge=1)  # None: adaptive
     max_gamma: int = Field(ge=1, le=MAX_GAMMA)
     temperature: float = Field(ge=0, allow_inf_nan=False)
-    top_p: float = Field(gt=0, le=1, allow_inf_nan=False)
+    top_p: TopP
     top_k: int = Field(ge=0)
     max_new_tokens: int = Field(ge=1)
-    lookup_max_ngram: int = Field(ge=1, le=64)
-    lookup_max_tokens: int = Field(ge=1, le=64)
+    lookup_max_ngram: int = Field(ge=1, le=MAX_LOOKUP)
+    lookup_max_tokens: int = Field(ge=1, le=MAX_LOOKUP)
     lookup_min_match: int = Field(ge=1)
     hybrid_min_match: int = Field(ge=1)
     hybrid_extend: bool

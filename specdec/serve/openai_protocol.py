@@ -28,7 +28,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..params import DRAFTERS, MAX_LOGPROBS, SEED_MAX, SEED_MIN, SERVED_METHODS, VERIFICATIONS, SamplingParams
-from .config import Settings
+from .config import Probability, Settings, TopP
 from .errors import ApiError
 from .protocol import (
     CACHE_PROMPT_DESCRIPTION,
@@ -270,7 +270,7 @@ class _Request(BaseModel):
     model: str = Field(description="the served model's id, as /v1/models lists it")
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
     temperature: Temperature = temperature_field(le=MAX_TEMPERATURE)
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="nucleus sampling mass")
+    top_p: TopP | None = Field(None, description="nucleus sampling mass")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX,
                              description=SEED_DESCRIPTION)
     stop: Annotated[StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None,
@@ -304,8 +304,7 @@ class _Request(BaseModel):
     method: Literal[SERVED_METHODS] | None = Field(None, description="extension: the decoding method")
     drafter: Literal[DRAFTERS] | None = Field(None, description="extension: " + DRAFTER_DESCRIPTION)
     verification: Literal[VERIFICATIONS] | None = Field(None, description="extension: " + VERIFICATION_DESCRIPTION)
-    draft_confidence_threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
-                                                     description="extension: " + CONFIDENCE_DESCRIPTION)
+    draft_confidence_threshold: Probability | None = Field(None, description="extension: " + CONFIDENCE_DESCRIPTION)
     cache_prompt: bool | None = Field(None, description="extension: " + CACHE_PROMPT_DESCRIPTION)
     ignore_eos: bool | None = Field(None, description="extension (vLLM's): " + IGNORE_EOS_DESCRIPTION)
     response_format: ResponseFormat | None = Field(

@@ -29,7 +29,7 @@ from ..params import (
     SamplingParams,
 )
 from .concurrency import TimeLimitExceeded, time_limit
-from .config import Settings
+from .config import Probability, Settings, TopP
 from .errors import CLOSE, ApiError
 from .structured import Constraint, ResponseFormat, StructuredOutputs, request_constraint
 
@@ -147,15 +147,14 @@ class PredictRequest(BaseModel):
     temperature: Temperature = temperature_field()
     # (openapi.py restates these bounds in OpenAPI 3.0's dialect)
     top_k: int | None = Field(None, ge=0, description="0 keeps every token")
-    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False, description="nucleus sampling mass")
+    top_p: TopP | None = Field(None, description="nucleus sampling mass")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX,
                              description=SEED_DESCRIPTION)
     gamma: int | None = Field(None, ge=1, description="draft tokens proposed per round")
     method: Literal[SERVED_METHODS] | None = None
     drafter: Literal[DRAFTERS] | None = Field(None, description=DRAFTER_DESCRIPTION)
     verification: Literal[VERIFICATIONS] | None = Field(None, description=VERIFICATION_DESCRIPTION)
-    draft_confidence_threshold: float | None = Field(None, ge=0, le=1, allow_inf_nan=False,
-                                                     description=CONFIDENCE_DESCRIPTION)
+    draft_confidence_threshold: Probability | None = Field(None, description=CONFIDENCE_DESCRIPTION)
     stop: list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]] | None = Field(
         None, max_length=MAX_STOP_STRINGS, description="the completion ends before the first one found; not with "
                                                       "response_format or structured_outputs")

@@ -329,6 +329,9 @@ def load_settings(overrides: Mapping[str, Any] | None = None, environ: Mapping[s
             values[key] = value
             origin[key] = name(key)
 
+    if not defaults.is_file() and defaults == DEFAULT_FILE:  # a wheel installed alone: config/ is the checkout's
+        raise ConfigError(f"the defaults file {defaults} does not exist: the service reads config/ from the project's "
+                          "checkout; install it editable there (pip install -e ., as make does)")
     layer(_read_toml(defaults, "the defaults file"), lambda key: str(defaults))
     if environ.get(CONFIG_ENV, "").strip():
         path = Path(environ[CONFIG_ENV]).expanduser()

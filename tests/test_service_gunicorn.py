@@ -8,13 +8,14 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import requests
 
-from bench.stress import DELAY_ENV, LOAD_BUSY_ENV, Server
+from bench.stress import DELAY_ENV, LOAD_BUSY_ENV, ROOT, Server
 
 pytestmark = pytest.mark.xdist_group("gunicorn")
 
@@ -472,3 +473,12 @@ def test_the_compiled_path_under_gunicorn(tmp_path, tiny_pair_dirs):
         assert "".join(event["text"] for event in events) == target_only
     finally:
         server.stop()
+
+
+def test_the_servers_help_says_what_it_starts_and_where_its_settings_come_from():
+    """`specdec-serve --help` printed gunicorn's help alone, its config default the wrong file (an audit)."""
+    result = subprocess.run([sys.executable, str(ROOT / "serving.py"), "--help"], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: specdec-serve") and "SPECDEC_CONFIG" in result.stdout
+    assert "config/gunicorn.conf.py" in result.stdout and "usage: gunicorn" in result.stdout  # its options after

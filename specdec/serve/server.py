@@ -14,10 +14,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 GUNICORN_CONF = ROOT / "config" / "gunicorn.conf.py"
+USAGE = f"""usage: specdec-serve [gunicorn options]   (also: python serving.py)
+
+Starts the specdec service (POST /predict, the OpenAI-compatible /v1 routes) under gunicorn, configured by
+{GUNICORN_CONF}. Its settings come from config/default.toml, then the TOML file named by SPECDEC_CONFIG, then
+SPECDEC_<KEY> variables (README.md, "Configuration"); host and port are SPECDEC_HOST and SPECDEC_PORT.
+Arguments are passed to gunicorn, whose own options follow.
+"""
 
 
 def main(argv: list[str] | None = None) -> None:
     """Start gunicorn; extra arguments go to gunicorn (e.g. `specdec-serve --log-level debug`)."""
     argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(USAGE, flush=True)  # then gunicorn's own options
     os.execv(sys.executable, [sys.executable, "-m", "gunicorn", "--config", str(GUNICORN_CONF), *argv,
                               "specdec.serve:create_app()"])

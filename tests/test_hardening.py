@@ -253,7 +253,8 @@ def test_openapi_describes_every_route_with_the_server_limits(pair):
     assert set(request["properties"]) == set(PredictRequest.model_fields) and request["required"] == ["prompt"]
     assert request["additionalProperties"] is False
     assert request["properties"]["max_new_tokens"]["maximum"] == 8
-    assert request["properties"]["gamma"]["maximum"] == 6
+    assert request["properties"]["gamma"]["anyOf"] == [{"type": "integer", "minimum": 1, "maximum": 6},
+                                                       {"type": "string", "enum": ["adaptive"]}]
     assert "default 4" in request["properties"]["max_new_tokens"]["description"]
     assert request["properties"]["drafter"]["enum"] == ["model", "lookup", "hybrid", None]  # null: the default
     assert request["properties"]["verification"]["enum"] == ["token", "block", None]

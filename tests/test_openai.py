@@ -142,7 +142,7 @@ def test_chat_continues_the_assistants_message_it_was_given(client, service):
     assert not_assistants.get_json()["error"]["param"] == "continue_final_message"
 
 
-@pytest.mark.parametrize("method, gamma", [("google", 4), ("deepmind", 2), ("google", None)])
+@pytest.mark.parametrize("method, gamma", [("google", 4), ("deepmind", 2), ("google", None), ("google", "adaptive")])
 def test_greedy_equals_target_only_greedy(client, method, gamma):
     target_only = client.post("/predict", json={"prompt": PROMPT, "temperature": 0, "max_new_tokens": 40,
                                                 "method": "target"}).get_json()
@@ -865,7 +865,8 @@ def test_openapi_describes_the_v1_routes(pair):
     for name, model in (("CompletionRequest", CompletionRequest), ("ChatCompletionRequest", ChatCompletionRequest)):
         request = schemas[name]
         assert set(request["properties"]) == set(model.model_fields) and request["additionalProperties"] is False
-        assert request["properties"]["max_tokens"]["maximum"] == 8 and request["properties"]["gamma"]["maximum"] == 6
+        assert request["properties"]["max_tokens"]["maximum"] == 8
+        assert request["properties"]["gamma"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 6}
         assert request["properties"]["min_tokens"]["maximum"] == 8
         assert request["properties"]["model"]["enum"] == ["target"]
         assert request["properties"]["n"]["maximum"] == 16

@@ -284,7 +284,7 @@ def test_chunked_body_over_the_limit_is_413(client):
     ({"seed": False}, "seed"),
     ({"gamma": 0}, "gamma"),
     ({"gamma": 17}, "gamma"),
-    ({"gamma": "adaptive"}, "gamma"),
+    ({"gamma": "fast"}, "gamma"),
     ({"method": "draft"}, "method"),
     ({"method": "medusa"}, "method"),
     ({"drafter": "ngram"}, "drafter"),
@@ -539,12 +539,22 @@ def test_seed_reproducibility(client):
     assert any(text != first["text"] for text in others)
 
 
-@pytest.mark.parametrize("method, gamma", [("google", 1), ("google", 4), ("google", None), ("deepmind", 3)])
+@pytest.mark.parametrize("method, gamma", [("google", 1), ("google", 4), ("google", None), ("deepmind", 3),
+                                           ("google", "adaptive"), ("deepmind", "adaptive")])
 def test_greedy_equals_target_only_greedy(client, method, gamma):
     target_only = predict(client, temperature=0, max_new_tokens=50, method="target").get_json()
     speculative = predict(client, temperature=0, max_new_tokens=50, method=method, gamma=gamma).get_json()
     assert speculative["text"] == target_only["text"]
     assert speculative["usage"] == target_only["usage"]
+    # null is the server's default (4 here); "adaptive" asks for adaptive gamma whatever the default (an audit)
+    assert speculative["stats"]["gamma"] == {None: 4, "adaptive": None}.get(gamma, gamma)
+
+
+@pytest.mark.parametrize("gamma", ["fast", "Adaptive", 0, 17])
+def test_a_gamma_neither_a_draft_length_nor_adaptive_is_refused_naming_it(client, gamma):
+    error = predict(client, gamma=gamma).get_json()["error"]
+    assert error["field"] == "gamma" and "[" not in error["message"], error  # no pydantic union tag in it
+    assert ("adaptive" in error["message"]) == isinstance(gamma, str)
 
 
 def test_a_logit_bias_bans_and_favours_tokens_and_speculation_keeps_target_only_greedy(client):

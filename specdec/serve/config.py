@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import SpecDecError
 from ..params import (
@@ -55,6 +55,16 @@ class ConfigError(ValueError):
 
 # bounds a setting and a request field share (SamplingParams checks the same ones, for every caller)
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+
+
+def _gamma(value):
+    if isinstance(value, str) and value != ADAPTIVE:  # one clear message, not the union's first branch's
+        raise ValueError(f'must be an integer of at least 1, or "{ADAPTIVE}"')
+    return value
+
+
+# draft tokens per round, or "adaptive": chosen each round
+Gamma = Annotated[Annotated[int, Field(ge=1)] | Literal["adaptive"], BeforeValidator(_gamma)]
 Probability = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
 
 

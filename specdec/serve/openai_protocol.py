@@ -28,12 +28,13 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from ..params import DRAFTERS, MAX_LOGPROBS, SEED_MAX, SEED_MIN, SERVED_METHODS, VERIFICATIONS, SamplingParams
-from .config import Probability, Settings, TopP
+from .config import Gamma, Probability, Settings, TopP
 from .errors import ApiError
 from .protocol import (
     CACHE_PROMPT_DESCRIPTION,
     CONFIDENCE_DESCRIPTION,
     DRAFTER_DESCRIPTION,
+    GAMMA_DESCRIPTION,
     IGNORE_EOS_CONSTRAINED,
     IGNORE_EOS_DESCRIPTION,
     LOGIT_BIAS_DESCRIPTION,
@@ -300,7 +301,7 @@ class _Request(BaseModel):
                                      "only true is supported: completions leave special tokens out") = None
     include_stop_str_in_output: _no_op_only({"type": "boolean", "enum": [False]}, (False,),
                                             "only false is supported: the stop string is not returned") = None
-    gamma: int | None = Field(None, ge=1, description="extension: draft tokens proposed per round")
+    gamma: Gamma | None = Field(None, description="extension: " + GAMMA_DESCRIPTION)
     method: Literal[SERVED_METHODS] | None = Field(None, description="extension: the decoding method")
     drafter: Literal[DRAFTERS] | None = Field(None, description="extension: " + DRAFTER_DESCRIPTION)
     verification: Literal[VERIFICATIONS] | None = Field(None, description="extension: " + VERIFICATION_DESCRIPTION)

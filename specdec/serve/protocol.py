@@ -29,7 +29,7 @@ from ..params import (
     SamplingParams,
 )
 from .concurrency import TimeLimitExceeded, time_limit
-from .config import Probability, Settings, TopP
+from .config import ADAPTIVE, Gamma, Probability, Settings, TopP
 from .errors import CLOSE, ApiError
 from .structured import Constraint, ResponseFormat, StructuredOutputs, request_constraint
 
@@ -49,6 +49,7 @@ NOT_BLANK = re.compile(NOT_BLANK_PATTERN)
 DRAFTER_DESCRIPTION = ("who proposes: the draft model, prompt lookup (n-grams of the prompt and the text so far), "
                        "or hybrid (lookup where it matches, the draft model elsewhere)")
 VERIFICATION_DESCRIPTION = "how proposals are verified: token by token, or the block jointly (Sun et al. 2025)"
+GAMMA_DESCRIPTION = "draft tokens proposed per round, or \"adaptive\": chosen each round from the acceptance rate"
 CONFIDENCE_DESCRIPTION = ("the draft model ends its run before gamma after a token it gave a probability below "
                           "this (softmax of its logits, before temperature, top-k and top-p); 0: never")
 IGNORE_EOS_DESCRIPTION = ("keep an end-of-sequence token and go on to the token limit (default false; not with "
@@ -150,7 +151,7 @@ class PredictRequest(BaseModel):
     top_p: TopP | None = Field(None, description="nucleus sampling mass")
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX,
                              description=SEED_DESCRIPTION)
-    gamma: int | None = Field(None, ge=1, description="draft tokens proposed per round")
+    gamma: Gamma | None = Field(None, description=GAMMA_DESCRIPTION)
     method: Literal[SERVED_METHODS] | None = None
     drafter: Literal[DRAFTERS] | None = Field(None, description=DRAFTER_DESCRIPTION)
     verification: Literal[VERIFICATIONS] | None = Field(None, description=VERIFICATION_DESCRIPTION)
@@ -282,7 +283,9 @@ def sampling_params(settings: Settings, **requested) -> SamplingParams:
         raise ApiError(422, "invalid_field", f"max_new_tokens must be at most {settings.max_new_tokens_limit}, "
                                              f"got {max_new_tokens}", "max_new_tokens")
     gamma = requested.get("gamma")
-    if gamma is not None and gamma > settings.max_gamma:
+    if gamma == ADAPTIVE:
+        requested["gamma"] = None  # adaptive, whatever the server's default
+    elif gamma is not None and gamma > settings.max_gamma:
         raise ApiError(422, "invalid_field", f"gamma must be at most {settings.max_gamma}, got {gamma}", "gamma")
     try:
         return settings.sampling.replace(**requested)
@@ -336,7 +339,8 @@ def _bound(prop: dict, maximum: int | None = None, default: str | None = None) -
 
 
 def _invalid_field(error: dict) -> ApiError:
-    loc = error["loc"]
+    # pydantic's marks of a union's branch ("constrained-int") or of a dict's key ("[key]") are no place in the body
+    loc = [part for part in error["loc"] if not (isinstance(part, str) and re.search(r"[-\[(]", part))]
     field = str(loc[0]) if loc else None
     where = field + "".join(f"[{part}]" for part in loc[1:]) if loc else "body"
     if error["type"] == "extra_forbidden":

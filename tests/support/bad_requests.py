@@ -108,7 +108,7 @@ CORPUS = [
     invalid("gamma", "gamma zero", fields(gamma=0)),
     invalid("gamma", "gamma over max_gamma", fields(gamma=17)),
     invalid("gamma", "gamma huge", fields(gamma=2**70)),
-    invalid("gamma", "gamma 'adaptive' (a server setting only)", fields(gamma="adaptive")),
+    invalid("gamma", "gamma a word other than 'adaptive'", fields(gamma="auto")),
     invalid("method", "method unknown", fields(method="medusa")),
     invalid("method", "method a list", fields(method=["google"])),
     # stop

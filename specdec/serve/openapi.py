@@ -8,7 +8,7 @@ bounds), whose integers are JSON integers only, as the strict request models wan
 
 from .config import Settings
 from .errors import ERROR_TYPES
-from .protocol import request_schema
+from .protocol import bound, request_schema
 
 FINISH_REASONS = ["length", "stop", "time_limit"]
 SOURCES = ["draft", "lookup", "grammar", "resampled", "bonus", "target"]
@@ -44,10 +44,10 @@ def openapi30(schema):
         schema["additionalProperties"] = next(iter(patterns.values()))
     if schema.get("type") == "null":  # null only
         schema = {**{k: v for k, v in schema.items() if k != "type"}, "nullable": True, "enum": [None]}
-    for exclusive, bound in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+    for exclusive, inclusive in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
         value = schema.get(exclusive)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            schema[bound], schema[exclusive] = value, True
+            schema[inclusive], schema[exclusive] = value, True
     if schema.get("default", 0) is None:
         del schema["default"]
     if schema.get("nullable") is True and "enum" in schema and None not in schema["enum"]:
@@ -235,11 +235,11 @@ def openai_document(settings: Settings, served_model: str | None, keyed: bool = 
                              ("ChatCompletionRequest", ("max_tokens", "max_completion_tokens"))):
         props = schemas[name]["properties"]
         for field in max_fields:
-            _limit(props[field], settings.max_new_tokens_limit, f"default {settings.max_new_tokens}, or less if "
+            bound(props[field], settings.max_new_tokens_limit, f"default {settings.max_new_tokens}, or less if "
                                                                 f"the context has less room")
-        _limit(props["min_tokens"], settings.max_new_tokens_limit)  # and at most the request's max_tokens
-        _limit(props["gamma"], settings.max_gamma)
-        _limit(props["n"], settings.max_prompts_per_request)
+        bound(props["min_tokens"], settings.max_new_tokens_limit)  # and at most the request's max_tokens
+        bound(props["gamma"], settings.max_gamma)
+        bound(props["n"], settings.max_prompts_per_request)
         if served_model is not None:
             props["model"]["enum"] = [served_model]
         _in_vocabulary(props["stop_token_ids"], vocab_size)
@@ -322,15 +322,6 @@ def openai_document(settings: Settings, served_model: str | None, keyed: bool = 
             **security}},
     }
     return paths, schemas
-
-
-def _limit(prop: dict, maximum: int, default: str | None = None) -> None:
-    """A server-side maximum on a nullable integer property's integer branch, and its default."""
-    for branch in prop.get("anyOf", [prop]):
-        if branch.get("type") == "integer":
-            branch["maximum"] = maximum
-    if default:
-        prop["description"] = f"{prop['description']}; {default}" if prop.get("description") else default
 
 
 def _in_vocabulary(prop: dict, vocab_size: int | None) -> None:

@@ -317,19 +317,20 @@ def request_schema(settings: Settings) -> dict:
     schema = PredictRequest.model_json_schema(ref_template="#/components/schemas/{model}")  # $defs: the document's
     props = schema["properties"]
     defaults = settings.sampling
-    _bound(props["max_new_tokens"], maximum=settings.max_new_tokens_limit,
+    bound(props["max_new_tokens"], maximum=settings.max_new_tokens_limit,
            default=f"default {defaults.max_new_tokens}")
-    _bound(props["min_tokens"], maximum=settings.max_new_tokens_limit)  # and at most the request's max_new_tokens
-    _bound(props["gamma"], maximum=settings.max_gamma,
+    bound(props["min_tokens"], maximum=settings.max_new_tokens_limit)  # and at most the request's max_new_tokens
+    bound(props["gamma"], maximum=settings.max_gamma,
            default="default " + ("adaptive" if defaults.gamma is None else str(defaults.gamma)))
     for name in ("temperature", "top_k", "top_p", "method", "drafter", "verification", "draft_confidence_threshold"):
-        _bound(props[name], default=f"default {getattr(defaults, name)}")
+        bound(props[name], default=f"default {getattr(defaults, name)}")
     props["prompt"]["description"] += f" (at most {settings.max_prompt_tokens} tokens)"
     return schema
 
 
-def _bound(prop: dict, maximum: int | None = None, default: str | None = None) -> None:
-    """Patch one nullable property's schema: a server-side maximum on its non-null branch, its default."""
+def bound(prop: dict, maximum: int | None = None, default: str | None = None) -> None:
+    """Patch one property's schema with the server's settings: a maximum on its integer branch (of a nullable or
+    several-typed property), its default in its description."""
     if maximum is not None:
         for branch in prop.get("anyOf", [prop]):
             if branch.get("type") == "integer":

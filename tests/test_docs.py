@@ -1,4 +1,5 @@
-"""The house's documents: a README a newcomer reads in one sitting (issue 37: at most 250 lines), and links between
+"""The house's documents: a README a newcomer reads in one sitting (issue 37: at most 250 lines), a benchmark
+results page of at most 400, and links between
 the documents that lead somewhere (every relative link's file exists, and its #anchor is one of that file's
 headings, as GitHub makes them)."""
 
@@ -36,8 +37,17 @@ def relative_links(path: Path) -> list[str]:
     return [link for link in LINK.findall(text) if not re.match(r"[a-z]+:", link)]
 
 
-def test_the_readme_is_at_most_250_lines():
-    assert len((ROOT / "README.md").read_text().splitlines()) <= 250
+def test_the_readme_is_at_most_250_lines_and_its_performance_summary_15():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250
+    summary = text.split("## Performance\n", 1)[1].split("\n## ", 1)[0]
+    assert sum(1 for line in summary.splitlines() if line.strip()) <= 15  # issue 14
+
+
+def test_the_benchmark_results_page_is_at_most_400_lines():
+    """Issue 37: a results page (today's figures, their commands, what they mean), not a diary; it had grown back
+    to 1,096 lines."""
+    assert len((ROOT / "bench" / "README.md").read_text().splitlines()) <= 400
 
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda path: str(path.relative_to(ROOT)))

@@ -1,7 +1,6 @@
 """The house's documents: a README a newcomer reads in one sitting (issue 37: at most 250 lines), a benchmark
-results page of at most 400, and links between
-the documents that lead somewhere (every relative link's file exists, and its #anchor is one of that file's
-headings, as GitHub makes them)."""
+results page of at most 400, and links between the documents that lead somewhere (every relative link's file
+exists, and its #anchor is one of that file's headings, as GitHub makes them)."""
 
 import re
 from pathlib import Path

@@ -253,8 +253,12 @@ def test_openapi_describes_every_route_with_the_server_limits(pair):
     assert set(request["properties"]) == set(PredictRequest.model_fields) and request["required"] == ["prompt"]
     assert request["additionalProperties"] is False
     assert request["properties"]["max_new_tokens"]["maximum"] == 8
-    assert request["properties"]["gamma"]["anyOf"] == [{"type": "integer", "minimum": 1, "maximum": 6},
-                                                       {"type": "string", "enum": ["adaptive"]}]
+    gamma = request["properties"]["gamma"]  # max_gamma 6: no "adaptive", which proposes up to 8
+    assert (gamma["type"], gamma["minimum"], gamma["maximum"], gamma["nullable"]) == ("integer", 1, 6, True)
+    assert "anyOf" not in gamma and 'not "adaptive" here' in gamma["description"]
+    wide = make_app(pair, max_gamma=16).test_client().get("/openapi.json").get_json()
+    assert wide["components"]["schemas"]["PredictRequest"]["properties"]["gamma"]["anyOf"] == [
+        {"type": "integer", "minimum": 1, "maximum": 16}, {"type": "string", "enum": ["adaptive"]}]
     assert "default 4" in request["properties"]["max_new_tokens"]["description"]
     assert request["properties"]["drafter"]["enum"] == ["model", "lookup", "hybrid", None]  # null: the default
     assert request["properties"]["verification"]["enum"] == ["token", "block", None]

@@ -866,7 +866,7 @@ def test_openapi_describes_the_v1_routes(pair):
         request = schemas[name]
         assert set(request["properties"]) == set(model.model_fields) and request["additionalProperties"] is False
         assert request["properties"]["max_tokens"]["maximum"] == 8
-        assert request["properties"]["gamma"]["anyOf"][0] == {"type": "integer", "minimum": 1, "maximum": 6}
+        assert (request["properties"]["gamma"]["type"], request["properties"]["gamma"]["maximum"]) == ("integer", 6)
         assert request["properties"]["min_tokens"]["maximum"] == 8
         assert request["properties"]["model"]["enum"] == ["target"]
         assert request["properties"]["n"]["maximum"] == 16

@@ -550,6 +550,28 @@ def test_greedy_equals_target_only_greedy(client, method, gamma):
     assert speculative["stats"]["gamma"] == {None: 4, "adaptive": None}.get(gamma, gamma)
 
 
+def test_adaptive_gamma_is_refused_where_max_gamma_is_below_what_it_proposes(pair):
+    """Adaptive gamma proposes up to 8 tokens a round: a request asking for it went past a max_gamma of 2 (a
+    review); refused there, as a default in the settings is."""
+    from specdec.serve.config import ConfigError, load_settings
+
+    error = make_app(pair, max_gamma=2, gamma=2).test_client().post(
+        "/predict", json={"prompt": "abc", "gamma": "adaptive"}).get_json()["error"]
+    assert error["field"] == "gamma" and "max_gamma of 2" in error["message"]
+    with pytest.raises(ConfigError, match="past max_gamma"):
+        load_settings({"gamma": "adaptive", "max_gamma": 4}, environ={})
+
+
+@pytest.mark.parametrize("body, field, words", [
+    ({"max-tokens": 5}, "max-tokens", "unknown field 'max-tokens'"),  # a review: the cleanup dropped its name
+    ({"logit_bias": {"-1": 5}}, "logit_bias", "logit_bias[-1]"),
+    ({"gamma": "fast"}, "gamma", 'gamma: must be an integer of at least 1, or "adaptive"'),
+])
+def test_an_error_names_the_place_in_the_body_without_pydantics_marks(client, body, field, words):
+    error = predict(client, **body).get_json()["error"]
+    assert error["field"] == field and words in error["message"], error
+
+
 @pytest.mark.parametrize("gamma", ["fast", "Adaptive", 0, 17])
 def test_a_gamma_neither_a_draft_length_nor_adaptive_is_refused_naming_it(client, gamma):
     error = predict(client, gamma=gamma).get_json()["error"]

@@ -62,6 +62,13 @@ def test_draft_vocab_size_from_the_file_and_the_environment(monkeypatch):
     assert seen["draft_vocab_size"] == 4096
 
 
+def test_a_toml_boolean_is_no_number_for_an_annotated_number_setting():
+    """draft_confidence_threshold = true was read as 1.0 once its type became Probability | None (a review)."""
+    for name in ("draft_confidence_threshold", "top_p"):
+        with pytest.raises(ConfigError, match=f"{name}.*must be a number, not true"):
+            load_settings({name: True}, environ={})
+
+
 def test_device_map_and_trust_remote_code_reach_load_pair(monkeypatch):
     """Issue 3: "trust_remote_code is off unless the configuration turns it on", and a target too large for one GPU
     spreads over several with accelerate's device_map; the service had neither setting (an audit)."""

@@ -21,6 +21,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from ..errors import SpecDecError
 from ..params import (
+    ADAPTIVE_MAX_GAMMA,
     DRAFTERS,
     HYBRID_MIN_MATCH,
     LOOKUP_KEYS,
@@ -132,8 +133,8 @@ class Settings(BaseModel):
     def _exact_number(cls, value, info):
         """A number setting takes a number: not a TOML boolean (pydantic's lax mode reads `true` as 1), and an
         integer setting no fraction (`5000.0`, "5000.0")."""
-        kinds = set(typing.get_args(cls.model_fields[info.field_name].annotation)) or {
-            cls.model_fields[info.field_name].annotation}
+        annotation = cls.model_fields[info.field_name].annotation
+        kinds = {_bare(kind) for kind in typing.get_args(annotation) or (annotation,)}  # Probability | None: float
         if not kinds & {int, float}:
             return value
         if isinstance(value, bool):
@@ -256,6 +257,9 @@ class Settings(BaseModel):
                              f"({self.max_new_tokens_limit})")
         if self.gamma is not None and self.gamma > self.max_gamma:
             raise ValueError(f"gamma ({self.gamma}) exceeds max_gamma ({self.max_gamma})")
+        if self.gamma is None and self.max_gamma < ADAPTIVE_MAX_GAMMA:
+            raise ValueError(f"gamma adaptive proposes up to {ADAPTIVE_MAX_GAMMA} tokens a round, past max_gamma "
+                             f"({self.max_gamma})")
         try:
             self.sampling  # noqa: B018 - the defaults must be valid sampling parameters
         except SpecDecError as error:
@@ -267,6 +271,11 @@ class Settings(BaseModel):
             if getattr(self, key) > getattr(self, limit):
                 raise ValueError(f"{key} ({getattr(self, key)}) exceeds {limit} ({getattr(self, limit)})")
         return self
+
+
+def _bare(annotation):
+    """An annotated type's own type (Annotated[float, Field(...)]: float)."""
+    return typing.get_args(annotation)[0] if typing.get_origin(annotation) is Annotated else annotation
 
 
 def _integral(text: str) -> bool:

@@ -8,7 +8,7 @@ bounds), whose integers are JSON integers only, as the strict request models wan
 
 from .config import Settings
 from .errors import ERROR_TYPES
-from .protocol import bound, request_schema
+from .protocol import bound, bound_gamma, request_schema
 
 FINISH_REASONS = ["length", "stop", "time_limit"]
 SOURCES = ["draft", "lookup", "grammar", "resampled", "bonus", "target"]
@@ -238,7 +238,7 @@ def openai_document(settings: Settings, served_model: str | None, keyed: bool = 
             bound(props[field], settings.max_new_tokens_limit, f"default {settings.max_new_tokens}, or less if "
                                                                 f"the context has less room")
         bound(props["min_tokens"], settings.max_new_tokens_limit)  # and at most the request's max_tokens
-        bound(props["gamma"], settings.max_gamma)
+        bound_gamma(props["gamma"], settings)
         bound(props["n"], settings.max_prompts_per_request)
         if served_model is not None:
             props["model"]["enum"] = [served_model]

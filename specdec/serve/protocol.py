@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from ..errors import SpecDecError
 from ..params import (
+    ADAPTIVE_MAX_GAMMA,
     DRAFTERS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -283,6 +284,9 @@ def sampling_params(settings: Settings, **requested) -> SamplingParams:
         raise ApiError(422, "invalid_field", f"max_new_tokens must be at most {settings.max_new_tokens_limit}, "
                                              f"got {max_new_tokens}", "max_new_tokens")
     gamma = requested.get("gamma")
+    if gamma == ADAPTIVE and settings.max_gamma < ADAPTIVE_MAX_GAMMA:  # max_gamma bounds what a request proposes
+        raise ApiError(422, "invalid_field", f"adaptive gamma proposes up to {ADAPTIVE_MAX_GAMMA} tokens a round, "
+                                             f"over this server's max_gamma of {settings.max_gamma}", "gamma")
     if gamma == ADAPTIVE:
         requested["gamma"] = None  # adaptive, whatever the server's default
     elif gamma is not None and gamma > settings.max_gamma:
@@ -320,12 +324,21 @@ def request_schema(settings: Settings) -> dict:
     bound(props["max_new_tokens"], maximum=settings.max_new_tokens_limit,
            default=f"default {defaults.max_new_tokens}")
     bound(props["min_tokens"], maximum=settings.max_new_tokens_limit)  # and at most the request's max_new_tokens
-    bound(props["gamma"], maximum=settings.max_gamma,
-           default="default " + ("adaptive" if defaults.gamma is None else str(defaults.gamma)))
+    bound_gamma(props["gamma"], settings)
     for name in ("temperature", "top_k", "top_p", "method", "drafter", "verification", "draft_confidence_threshold"):
         bound(props[name], default=f"default {getattr(defaults, name)}")
     props["prompt"]["description"] += f" (at most {settings.max_prompt_tokens} tokens)"
     return schema
+
+
+def bound_gamma(prop: dict, settings: Settings) -> None:
+    """gamma's schema with the server's settings: at most max_gamma, and "adaptive" only where max_gamma allows the
+    draft lengths adaptive gamma chooses (sampling_params refuses it otherwise)."""
+    bound(prop, maximum=settings.max_gamma,
+          default="default " + ("adaptive" if settings.gamma is None else str(settings.gamma)))
+    if settings.max_gamma < ADAPTIVE_MAX_GAMMA:
+        prop["anyOf"] = [branch for branch in prop["anyOf"] if branch.get("type") != "string"]
+        prop["description"] += f" (not \"adaptive\" here: it proposes up to {ADAPTIVE_MAX_GAMMA})"
 
 
 def bound(prop: dict, maximum: int | None = None, default: str | None = None) -> None:
@@ -340,8 +353,10 @@ def bound(prop: dict, maximum: int | None = None, default: str | None = None) ->
 
 
 def _invalid_field(error: dict) -> ApiError:
-    # pydantic's marks of a union's branch ("constrained-int") or of a dict's key ("[key]") are no place in the body
-    loc = [part for part in error["loc"] if not (isinstance(part, str) and re.search(r"[-\[(]", part))]
+    # pydantic's marks of a union's branch ("constrained-int", "literal['adaptive']") or of a dict's key ("[key]")
+    # are no place in the body; the field itself (loc[0]) and a key ("-1") always are
+    loc = error["loc"][:1] + tuple(part for part in error["loc"][1:] if not (
+        isinstance(part, str) and re.search(r"[-\[(]", part) and re.search(r"[a-z]", part)))
     field = str(loc[0]) if loc else None
     where = field + "".join(f"[{part}]" for part in loc[1:]) if loc else "body"
     if error["type"] == "extra_forbidden":

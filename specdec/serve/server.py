@@ -26,6 +26,9 @@ Arguments are passed to gunicorn, whose own options follow.
 def main(argv: list[str] | None = None) -> None:
     """Start gunicorn; extra arguments go to gunicorn (e.g. `specdec-serve --log-level debug`)."""
     argv = sys.argv[1:] if argv is None else argv
+    if not GUNICORN_CONF.is_file():  # a wheel installed alone: config/ is the checkout's
+        sys.exit(f"specdec-serve: {GUNICORN_CONF} does not exist: the service reads config/ from the project's "
+                 "checkout; install it editable there (pip install -e ., as make does)")
     if "-h" in argv or "--help" in argv:
         print(USAGE, flush=True)  # then gunicorn's own options
     os.execv(sys.executable, [sys.executable, "-m", "gunicorn", "--config", str(GUNICORN_CONF), *argv,

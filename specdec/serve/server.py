@@ -19,7 +19,8 @@ USAGE = f"""usage: specdec-serve [gunicorn options]   (also: python serving.py)
 Starts the specdec service (POST /predict, the OpenAI-compatible /v1 routes) under gunicorn, configured by
 {GUNICORN_CONF}. Its settings come from config/default.toml, then the TOML file named by SPECDEC_CONFIG, then
 SPECDEC_<KEY> variables (README.md, "Configuration"); host and port are SPECDEC_HOST and SPECDEC_PORT.
-Arguments are passed to gunicorn, whose own options follow.
+Arguments are passed to gunicorn, whose own options follow; the defaults they show (bind, worker class, config
+file) are replaced by that configuration's.
 """
 
 

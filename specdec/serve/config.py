@@ -23,7 +23,6 @@ from ..errors import SpecDecError
 from ..params import (
     ADAPTIVE_MAX_GAMMA,
     DRAFTERS,
-    HYBRID_MIN_MATCH,
     LOOKUP_KEYS,
     MAX_GAMMA,
     MAX_LOOKUP,
@@ -246,6 +245,11 @@ class Settings(BaseModel):
         return DEFAULT_PAIR_CONFIDENCE_THRESHOLD if default_pair else 0.0
 
     @property
+    def takes_adaptive_gamma(self) -> bool:
+        """Whether max_gamma allows the draft lengths adaptive gamma chooses (up to ADAPTIVE_MAX_GAMMA)."""
+        return self.max_gamma >= ADAPTIVE_MAX_GAMMA
+
+    @property
     def lookup(self) -> LookupSettings:
         """Prompt lookup's settings, for every request's lookup and hybrid drafters."""
         return LookupSettings(**{field: getattr(self, key) for field, key in LOOKUP_KEYS.items()})
@@ -257,19 +261,20 @@ class Settings(BaseModel):
                              f"({self.max_new_tokens_limit})")
         if self.gamma is not None and self.gamma > self.max_gamma:
             raise ValueError(f"gamma ({self.gamma}) exceeds max_gamma ({self.max_gamma})")
-        if self.gamma is None and self.max_gamma < ADAPTIVE_MAX_GAMMA:
+        if self.gamma is None and not self.takes_adaptive_gamma:
             raise ValueError(f"gamma adaptive proposes up to {ADAPTIVE_MAX_GAMMA} tokens a round, past max_gamma "
                              f"({self.max_gamma})")
         try:
             self.sampling  # noqa: B018 - the defaults must be valid sampling parameters
         except SpecDecError as error:
             raise ValueError(f"{error.field}: {error.message}") from None
-        limit = LOOKUP_KEYS["max_ngram"]
-        for key in (LOOKUP_KEYS["min_match"], LOOKUP_KEYS["hybrid_min_match"]):
-            if key == LOOKUP_KEYS["hybrid_min_match"] and getattr(self, key) == HYBRID_MIN_MATCH:
-                continue  # the default, cut to lookup_max_ngram where that is shorter (LookupSettings)
-            if getattr(self, key) > getattr(self, limit):
-                raise ValueError(f"{key} ({getattr(self, key)}) exceeds {limit} ({getattr(self, limit)})")
+        try:  # LookupSettings' rules (a match at most max_ngram long; its default hybrid_min_match cut to it)
+            self.lookup  # noqa: B018
+        except SpecDecError as error:
+            key, limit = LOOKUP_KEYS.get(error.field, error.field), LOOKUP_KEYS["max_ngram"]
+            if error.field in ("min_match", "hybrid_min_match") and getattr(self, key) > getattr(self, limit):
+                raise ValueError(f"{key} ({getattr(self, key)}) exceeds {limit} ({getattr(self, limit)})") from None
+            raise ValueError(f"{key}: {error.message}") from None
         return self
 
 

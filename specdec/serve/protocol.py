@@ -284,10 +284,10 @@ def sampling_params(settings: Settings, **requested) -> SamplingParams:
         raise ApiError(422, "invalid_field", f"max_new_tokens must be at most {settings.max_new_tokens_limit}, "
                                              f"got {max_new_tokens}", "max_new_tokens")
     gamma = requested.get("gamma")
-    if gamma == ADAPTIVE and settings.max_gamma < ADAPTIVE_MAX_GAMMA:  # max_gamma bounds what a request proposes
-        raise ApiError(422, "invalid_field", f"adaptive gamma proposes up to {ADAPTIVE_MAX_GAMMA} tokens a round, "
-                                             f"over this server's max_gamma of {settings.max_gamma}", "gamma")
     if gamma == ADAPTIVE:
+        if not settings.takes_adaptive_gamma:  # max_gamma bounds what a request proposes
+            raise ApiError(422, "invalid_field", f"adaptive gamma proposes up to {ADAPTIVE_MAX_GAMMA} tokens a "
+                                                 f"round, over this server's max_gamma of {settings.max_gamma}", "gamma")
         requested["gamma"] = None  # adaptive, whatever the server's default
     elif gamma is not None and gamma > settings.max_gamma:
         raise ApiError(422, "invalid_field", f"gamma must be at most {settings.max_gamma}, got {gamma}", "gamma")
@@ -336,7 +336,7 @@ def bound_gamma(prop: dict, settings: Settings) -> None:
     draft lengths adaptive gamma chooses (sampling_params refuses it otherwise)."""
     bound(prop, maximum=settings.max_gamma,
           default="default " + ("adaptive" if settings.gamma is None else str(settings.gamma)))
-    if settings.max_gamma < ADAPTIVE_MAX_GAMMA:
+    if not settings.takes_adaptive_gamma:
         prop["anyOf"] = [branch for branch in prop["anyOf"] if branch.get("type") != "string"]
         prop["description"] += f" (not \"adaptive\" here: it proposes up to {ADAPTIVE_MAX_GAMMA})"
 

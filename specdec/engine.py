@@ -121,8 +121,11 @@ def _checked_eos(value, vocab_size: int) -> list[int]:
     """A caller's eos_token_id (an id, a list of ids or a tensor) as a list of ids of the vocabulary; a SpecDecError
     naming it otherwise (a typo would have disabled stopping without a word)."""
     ids = value.tolist() if isinstance(value, torch.Tensor) else value
-    ids = token_ids([ids] if isinstance(ids, int) else list(ids) if isinstance(ids, (set, frozenset)) else ids,
-                    "eos_token_id") or ()
+    if isinstance(ids, int):
+        ids = [ids]
+    elif isinstance(ids, (set, frozenset)):
+        ids = sorted(ids)
+    ids = token_ids(ids, "eos_token_id") or ()
     _in_vocabulary(ids, vocab_size, "eos_token_id")
     return list(ids)
 

@@ -130,22 +130,22 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     # the target's weights start coming in at once, beside the tokenizers and the draft: reading waits on the disk
     # and on fresh memory, the others on one core; a pair that fails its checks drops them
     # a default-pair model whose GGUF weights are kept packed is read from them, and never its float linears
-    kept = {"draft": shipped and cpu_kernels and keeps_shipped(draft_source),
-            "target": shipped and cpu_kernels and keeps_shipped(target_source)}
+    keeps = {"draft": shipped and cpu_kernels and keeps_shipped(draft_source),
+             "target": shipped and cpu_kernels and keeps_shipped(target_source)}
     pending = read_soon(target_source, dtype, trust_remote_code) \
-        if cpu_kernels and device.type == "cpu" and device_map is None and not kept["target"] else None
+        if cpu_kernels and device.type == "cpu" and device_map is None and not keeps["target"] else None
     try:
         tokenizer = load_and_check_tokenizers(draft_source, target_source, trust_remote_code)
         draft_model = load_kept(draft_source, "draft", dtype, trust_remote_code, draft_requantize) \
-            if kept["draft"] else None
-        kept["draft"] = draft_model is not None  # a kept form found unusable is packed again below
+            if keeps["draft"] else None
+        kept = {"draft": draft_model is not None}  # read from its kept form (one still unusable: packed below)
         if draft_model is None:
             draft_model = load_draft(draft_source, device, dtype, draft_quantization, trust_remote_code, cpu_kernels)
     except BaseException:
         if pending is not None:
             pending.drop()
         raise
-    target_model = load_kept(target_source, "target", dtype, trust_remote_code) if kept["target"] else None
+    target_model = load_kept(target_source, "target", dtype, trust_remote_code) if keeps["target"] else None
     kept["target"] = target_model is not None
     if target_model is None:
         target_model = load_model(target_source, "target", device, dtype, device_map, trust_remote_code, cpu_kernels,

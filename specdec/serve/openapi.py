@@ -236,7 +236,7 @@ def openai_document(settings: Settings, served_model: str | None, keyed: bool = 
         props = schemas[name]["properties"]
         for field in max_fields:
             bound(props[field], settings.max_new_tokens_limit, f"default {settings.max_new_tokens}, or less if "
-                                                                f"the context has less room")
+                                                               f"the context has less room")
         bound(props["min_tokens"], settings.max_new_tokens_limit)  # and at most the request's max_tokens
         bound_gamma(props["gamma"], settings)
         bound(props["n"], settings.max_prompts_per_request)

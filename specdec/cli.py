@@ -88,9 +88,9 @@ def _sampling_flag(name: str, convert, message: str):
 
 
 def _gamma(text):
-    if text == "auto":
+    if text in ("auto", "adaptive"):  # the service's settings and requests say "adaptive"
         return None
-    return _sampling_flag("gamma", int, f"must be an integer from 1 to {MAX_GAMMA}, or auto")(text)
+    return _sampling_flag("gamma", int, f"must be an integer from 1 to {MAX_GAMMA}, or auto (adaptive)")(text)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -121,10 +121,10 @@ def _checked_eos(value, vocab_size: int) -> list[int]:
     """A caller's eos_token_id (an id, a list of ids or a tensor) as a list of ids of the vocabulary; a SpecDecError
     naming it otherwise (a typo would have disabled stopping without a word)."""
     ids = value.tolist() if isinstance(value, torch.Tensor) else value
-    if isinstance(ids, int):
-        ids = [ids]
-    elif isinstance(ids, (set, frozenset)):
-        ids = sorted(ids)
+    if isinstance(ids, (set, frozenset)):
+        ids = list(ids)  # token_ids checks each id before it sorts them
+    elif not isinstance(ids, (list, tuple)):
+        ids = [ids]  # one id: anything but an integer is refused as one
     ids = token_ids(ids, "eos_token_id") or ()
     _in_vocabulary(ids, vocab_size, "eos_token_id")
     return list(ids)
@@ -660,7 +660,8 @@ class SpeculativeDecoder:
         chosen, while its samples stay exactly the target's.
         """
         drafter, target = self._drafter(req, probs), req.cache_for("target", self.target_model)
-        adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA, costs=self.cost_profile, bonus=False)
+        # its last proposal replaces the bonus token: ADAPTIVE_MAX_GAMMA proposals at most, as greedy's rounds
+        adaptive = AdaptiveGamma(max_gamma=ADAPTIVE_MAX_GAMMA - 1, costs=self.cost_profile, bonus=False)
         per_position = req.params.verification == "token"
         first = position_generator(req.seed, len(req.ids)) if per_position else req.generator
         if (yield from self._first_token(req, drafter, target, probs, first)) == "stop":

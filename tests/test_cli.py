@@ -154,8 +154,9 @@ def test_verbose_baseline_tokens_are_marked_as_single_model(pair_args, capsys):
     assert set(re.findall(r"\[([drbt]):", marked)) == {"t"}
 
 
-def test_chat_template_and_adaptive_gamma(pair_args, capsys):
-    assert main(pair_args + ["--chat", "--gamma", "auto", "--method", "deepmind", "-v"]) == 0
+@pytest.mark.parametrize("word", ["auto", "adaptive"])  # adaptive: the service's word, taken here too
+def test_chat_template_and_adaptive_gamma(pair_args, capsys, word):
+    assert main(pair_args + ["--chat", "--gamma", word, "--method", "deepmind", "-v"]) == 0
     out = capsys.readouterr().out
     assert "gamma auto" in out and len(STATS.findall(out)) == 1
     # the template wraps the 14-character input in "<bos>user: ...\n<bos>assistant: "

@@ -547,6 +547,7 @@ def test_caches_hold_committed_prefix_after_each_round(pair, monkeypatch):
     ({"eos_token_id": "x"}, "eos_token_id"), ({"eos_token_id": 2.7}, "eos_token_id"),
     ({"eos_token_id": True}, "eos_token_id"), ({"eos_token_id": 10_000}, "eos_token_id"),
     ({"eos_token_id": [-5]}, "eos_token_id"), ({"eos_token_id": [1, "2"]}, "eos_token_id"),
+    ({"eos_token_id": {5, "a"}}, "eos_token_id"), ({"eos_token_id": {5, None}}, "eos_token_id"),  # sorted raised
 ])
 def test_bad_arguments_raise_clear_error(decoder, kwargs, field):
     with pytest.raises(SpecDecError) as err:
@@ -956,3 +957,17 @@ def test_greedy_adaptive_gamma_keeps_the_bonus_token():
         assert result.stats.draft_forwards == result.stats.proposed < result.stats.new_tokens
     sampled = decoder.generate(PROMPT, max_new_tokens=30, gamma=None, temperature=1.0, seed=3)
     assert "bonus" not in sampled.sources  # sampling: the last proposal stands in for the bonus
+
+
+def test_adaptive_gamma_proposes_at_most_its_maximum_when_sampling_too(monkeypatch):
+    """Adaptive sampling's last proposal stands in for the bonus token: an audit found it proposing
+    ADAPTIVE_MAX_GAMMA + 1 tokens a round, past the max_gamma = 8 the service requires for it (and past the
+    acceptance positions its metrics export)."""
+    from specdec.engine import ADAPTIVE_MAX_GAMMA, AdaptiveGamma
+
+    monkeypatch.setattr(AdaptiveGamma, "choose", lambda self: self.max_gamma)  # as when the draft costs nothing
+    target = make_model("qwen2", seed=2, initializer_range=0.1)
+    decoder = SpeculativeDecoder(target, target)  # every proposal accepted
+    for temperature in (0, 1.0):
+        stats = decoder.generate(PROMPT, max_new_tokens=120, gamma=None, temperature=temperature, seed=3).stats
+        assert len(stats.accepted_per_position) == ADAPTIVE_MAX_GAMMA, (temperature, stats.accepted_per_position)

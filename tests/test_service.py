@@ -565,6 +565,10 @@ def test_adaptive_gamma_is_refused_where_max_gamma_is_below_what_it_proposes(pai
 @pytest.mark.parametrize("body, field, words", [
     ({"max-tokens": 5}, "max-tokens", "unknown field 'max-tokens'"),  # a review: the cleanup dropped its name
     ({"logit_bias": {"-1": 5}}, "logit_bias", "logit_bias[-1]"),
+    ({"logit_bias": {"a-b": 5}}, "logit_bias", "logit_bias[a-b]"),  # an audit: a key like a mark was dropped
+    # an audit: a nested unknown key was blamed on its parent, as if structured outputs were unknown
+    ({"structured_outputs": {"regex": "a+", "regexx": "b"}}, "structured_outputs",
+     "unknown field 'structured_outputs.regexx'"),
     ({"gamma": "fast"}, "gamma", 'gamma: must be an integer of at least 1, or "adaptive"'),
 ])
 def test_an_error_names_the_place_in_the_body_without_pydantics_marks(client, body, field, words):

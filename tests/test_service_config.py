@@ -168,6 +168,8 @@ def test_loader_may_be_an_import_path():
     ({"SPECDEC_MAX_NEW_TOKENS": "1e2"}, {}, ["max_new_tokens = '1e2'", "must be an integer"]),
     ({"SPECDEC_DEVICE": "foo"}, {}, ["device = 'foo' (from SPECDEC_DEVICE)", "cuda:N"]),
     ({"SPECDEC_GAMMA": "100"}, {}, ["gamma (100) exceeds max_gamma (16) (gamma from SPECDEC_GAMMA, max_gamma from "]),
+    # the fifth audit: a word gamma does not take was answered "Input should be a valid integer", adaptive unsaid
+    ({"SPECDEC_GAMMA": "fast"}, {}, ["gamma = 'fast' (from SPECDEC_GAMMA)", 'or "adaptive"']),
     # found by the third audit: a timeout past a thread's longest wait started a server whose queued requests
     # answered 500 (two finite ones overflowed gunicorn's graceful_timeout); hosts and origins it could not use
     ({"SPECDEC_QUEUE_TIMEOUT": "1e10"}, {}, ["queue_timeout = '1e10' (from SPECDEC_QUEUE_TIMEOUT)", "1000000"]),
@@ -234,6 +236,8 @@ def test_numbers_and_devices_that_are_fine_stay_fine():
     assert (settings.port, settings.gamma, settings.draft_vocab_size, settings.device) == (5001, None, None, "cuda:1")
     assert settings.temperature == 1.0 and settings.stream_interval == 0.01 and settings.compile == "true"
     assert settings.prompt_cache_bytes == 4_000_000_000
+    # the CLI's word for adaptive gamma (--gamma auto) is taken here too (the fifth audit)
+    assert load_settings(environ={"SPECDEC_GAMMA": "auto"}).gamma is None
 
 
 def test_a_misspelled_variable_is_named_and_others_left_alone(caplog):

@@ -174,8 +174,11 @@ class Settings(BaseModel):
     @field_validator("gamma", mode="before")
     @classmethod
     def _adaptive(cls, value):
-        if isinstance(value, str) and value.strip().lower() in (ADAPTIVE, *NONE):
+        """"adaptive" (or the CLI's "auto", "none", "null"): None, chosen each round."""
+        if isinstance(value, str) and value.strip().lower() in (ADAPTIVE, "auto", *NONE):
             return None
+        if isinstance(value, str) and not _integral(value):
+            raise ValueError(f'must be an integer of at least 1, or "{ADAPTIVE}"')
         return value
 
     @field_validator("prompt_cache_bytes", "draft_vocab_size", "draft_confidence_threshold", mode="before")

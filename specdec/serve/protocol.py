@@ -352,15 +352,20 @@ def bound(prop: dict, maximum: int | None = None, default: str | None = None) ->
         prop["description"] = f"{prop['description']}; {default}" if prop.get("description") else default
 
 
+# the marks pydantic puts in an error's location beside the body's own keys (a union's branches, a dict's key)
+PYDANTIC_MARK = re.compile(r"\[key\]|(?:constrained|function|lax)-[a-z-]+(?:\[.*\])?|(?:literal|nullable|tagged-union|union"
+                           r"|json-or-python|list|dict|tuple)\[.*\]")
+
+
 def _invalid_field(error: dict) -> ApiError:
     # pydantic's marks of a union's branch ("constrained-int", "literal['adaptive']") or of a dict's key ("[key]")
-    # are no place in the body; the field itself (loc[0]) and a key ("-1") always are
+    # are no place in the body; the field itself (loc[0]) and a key ("-1", "a-b") always are
     loc = error["loc"][:1] + tuple(part for part in error["loc"][1:] if not (
-        isinstance(part, str) and re.search(r"[-\[(]", part) and re.search(r"[a-z]", part)))
+        isinstance(part, str) and PYDANTIC_MARK.fullmatch(part)))
     field = str(loc[0]) if loc else None
     where = field + "".join(f"[{part}]" for part in loc[1:]) if loc else "body"
-    if error["type"] == "extra_forbidden":
-        message = f"unknown field {field!r}"
+    if error["type"] == "extra_forbidden":  # a nested one by its path: structured_outputs.regexx
+        message = f"unknown field {'.'.join(map(str, loc))!r}"
     elif error["type"] == "missing":
         message = f"{field} is required"
     else:

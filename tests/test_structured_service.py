@@ -162,6 +162,10 @@ def test_a_streamed_tool_call_sends_its_arguments_as_they_are_decoded(client):
     deltas = [call for chunk in chunks for choice in chunk["choices"]
               for call in choice["delta"].get("tool_calls") or []]
     assert whole["finish_reason"] == chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # the answer is calls alone: its content null streamed too (the fifth audit: the first delta's "" made the
+    # SDK's streamed message content "" where the answer whole has null)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"} and whole["message"]["content"] is None
+    assert all(choice["delta"].get("content") is None for chunk in chunks for choice in chunk["choices"])
     heads = [d for d in deltas if d.get("id")]
     assert len(heads) == 1 and heads[0]["function"]["name"] == "add" and heads[0]["type"] == "function"
     pieces = [d["function"]["arguments"] for d in deltas if not d.get("id")]
@@ -214,6 +218,18 @@ def test_a_named_function_is_called_once_required_tools_as_often_as_the_model_li
         state.advance(token)
     allowed = state.allowed().nonzero().flatten().tolist()
     assert eos in allowed and (len(allowed) > 1) == more
+
+
+def test_required_parallel_calls_may_end_after_the_newline_a_call_is_followed_by(service_tokenizer):
+    """The default pair writes a newline after a call, then its end token: the fifth audit found the newline made
+    another call mandatory (`call ("\n" call)*`), so that parallel required calls went on to max_tokens."""
+    tools = [Tool(type="function", function={"name": "add", "parameters": {"type": "object"}})]
+    grammar = tool_constraint(tools, "required", parallel=True, special=False)
+    call = '<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call>'
+    assert accepts(service_tokenizer, grammar, call + "\n")
+    assert accepts(service_tokenizer, grammar, call + "\n" + call + "\n") and accepts(service_tokenizer, grammar,
+                                                                                     call + "\n" + call)
+    assert not accepts(service_tokenizer, grammar, call + "\n\n")  # one newline, not any text
 
 
 def accepts(service_tokenizer, constraint, text: str, ending: bool = True) -> bool:

@@ -508,7 +508,7 @@ class ChatCompletionRequest(_ChatTemplating, _Request):
             raise PydanticCustomError("invalid_value", "ignore_eos cannot be combined with tools (unless tool_choice "
                                       "is none): their grammar ends the answer with an end-of-sequence token",
                                       {"param": "ignore_eos"})
-        if self.stop and self.calls_tools and self.tool_choice not in (None, "auto"):  # the answer is a call
+        if self.stop and self.only_calls:
             raise PydanticCustomError("invalid_value", STOP_CONSTRAINED, {"param": "stop"})
         return self
 
@@ -516,6 +516,11 @@ class ChatCompletionRequest(_ChatTemplating, _Request):
     def calls_tools(self) -> bool:
         """Tools are offered, and tool_choice is not none: the answer may hold tool calls."""
         return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def only_calls(self) -> bool:
+        """tool_choice is required or names a function: the answer is calls, no content."""
+        return self.calls_tools and self.tool_choice not in (None, "auto")
 
     def constraint(self, special_tool_tokens: bool = False) -> Constraint | None:
         if self.calls_tools:

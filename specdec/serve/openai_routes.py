@@ -165,7 +165,7 @@ def answer(svc, req, prompts: list[list[int]], sampling, prompt_field: str, chat
     reply = Reply(chat=chat, id=("chatcmpl-" if chat else "cmpl-") + g.record.request_id, created=int(time.time()),
                   model=served_model(svc), fingerprint=fingerprint(svc.models.info, svc.settings),
                   include_usage=req.include_usage, logprobs=sampling.logprobs is not None,
-                  tools=chat and req.calls_tools)
+                  tools=chat and req.calls_tools, only_calls=chat and req.only_calls)
     return svc.respond(choices, bool(req.stream), events=reply.events, body=reply.body)
 
 
@@ -286,6 +286,7 @@ class Reply:
     include_usage: bool
     logprobs: bool = False  # the request asked for logprobs
     tools: bool = False  # a chat answer that may hold tool calls: they are read out of its text
+    only_calls: bool = False  # a chat answer that is calls alone: its content is null, streamed too
     # a text chunk's rendering as a template, by choice index (_text_chunk)
     _text_templates: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -499,7 +500,7 @@ class Reply:
         try:
             yield None  # primed: decoding has begun (Reply.events takes this before the events)
             if self.chat:
-                yield self._chunk("", index, role=True)
+                yield self._chunk(None if self.only_calls else "", index, role=True)
             yield from rounds
             text += completion.take()
             entries += self._entries(choices, index, generation, completion.take_tokens())

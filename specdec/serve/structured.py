@@ -211,10 +211,10 @@ def _compact(schema: dict) -> dict:
 
 
 def tool_constraint(tools: list[Tool], tool_choice, parallel: bool, special: bool) -> Constraint | None:
-    """The grammar of an answer under tool_choice: required, only calls (one, or with `parallel` one or more);
-    named, exactly one call of that function (as vLLM and OpenAI answer it: a small model left free to go on calls
-    it again and again, up to max_tokens); auto, text with calls anywhere in it (each constrained from its
-    <tool_call> on); none: no grammar. `special`: <tool_call> and </tool_call> are tokens of the tokenizer
+    """The grammar of an answer under tool_choice: required, only calls (one, or with `parallel` one or more, a
+    newline between two, and one after the last allowed); named, exactly one call of that function (as vLLM and
+    OpenAI answer it); auto, text with calls anywhere in it (each constrained from its <tool_call> on); none: no
+    grammar. `special`: <tool_call> and </tool_call> are tokens of the tokenizer
     (Qwen2.5's), matched as such."""
     if tool_choice == "none" or not tools:
         return None
@@ -241,7 +241,9 @@ def tool_constraint(tools: list[Tool], tool_choice, parallel: bool, special: boo
         lines.insert(1, "start: (call)* TEXT" if parallel else "start: call? TEXT")
     else:
         lines.append(f"call: {begin} \"\\n\" ({body}) \"\\n\" {end}")
-        lines.insert(1, "start: call (\"\\n\" call)*" if parallel else "start: call")
+        # a newline after a call may end the answer (the default pair writes one, then its end token: when the
+        # newline had to begin another call, parallel calls went on inventing calls up to max_tokens)
+        lines.insert(1, "start: call (\"\\n\" call)* \"\\n\"?" if parallel else "start: call")
     parameters = tuple(Constraint.json_schema(_call_schema(tool.function), field=f"tools[{i}].function.parameters")
                        for i, tool in indexed)  # named instead of the whole grammar where one does not compile
     return Constraint("grammar", "\n".join(lines), field="tools", parts=parameters)

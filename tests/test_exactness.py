@@ -21,6 +21,9 @@ With a warm prompt cache (keys and values of the prompt left by earlier requests
 (`test_samples_follow_target_distribution_with_a_warm_prompt_cache`). So do samples with a logit bias, with
 penalties, and with min_tokens (the ending token masked at the first positions), each against the target so
 changed, where the unchanged target fails on the same counts.
+
+Continuations of LONG (5) tokens, several rounds each (gamma 1, adaptive gamma, block verification with the
+hybrid), pass the same test on the marginals of their last tokens, where the wrong rule fails it.
 """
 
 import copy
@@ -102,8 +105,8 @@ def llama_pair():
     return draft, target
 
 
-def exact_distribution(target, temperature, top_k, top_p, prompt=PROMPT, allowed=None, bias=None, penalties=None
-                       ) -> dict[tuple, float]:
+def exact_distribution(target, temperature, top_k, top_p, prompt=PROMPT, allowed=None, bias=None, penalties=None,
+                       length=LENGTH) -> dict[tuple, float]:
     """P(x1 x2 x3 | prompt) under the target with transformers' warpers, by enumeration (no cache). With
     `allowed` (a prefix's allowed next tokens), the tokens outside it are masked first, as a grammar does; with
     `bias` ({token: amount}, OpenAI's logit_bias), the amounts are added to the logits before anything else; with
@@ -136,7 +139,7 @@ def exact_distribution(target, temperature, top_k, top_p, prompt=PROMPT, allowed
         return scores.softmax(-1)[0]
 
     table = {(): 1.0}
-    for _ in range(LENGTH):
+    for _ in range(length):
         table = {prefix + (x,): mass * float(p)
                  for prefix, mass in table.items() if mass > 0
                  for x, p in enumerate(next_probs(prefix))}
@@ -162,12 +165,31 @@ def goodness_of_fit(counts: dict[tuple, int], expected: dict[tuple, float], n: i
     return chisquare(observed, predicted).pvalue
 
 
-def draw(decoder, method, settings, n, gamma=2, seed=0, prompt=PROMPT, totals=None, **kwargs) -> dict[tuple, int]:
+def marginal_fit(counts: dict[tuple, int], expected: dict[tuple, float], n: int, positions: slice) -> float:
+    """Chi-square p-value of the tokens at `positions` of the continuations (cells with expected count < 5
+    pooled), for continuations longer than LENGTH, whose joint cells would be too many."""
+    observed, predicted = {}, {}
+    for seq, count in counts.items():
+        observed[seq[positions]] = observed.get(seq[positions], 0) + count
+    for seq, mass in expected.items():
+        predicted[seq[positions]] = predicted.get(seq[positions], 0.0) + mass * n
+    assert set(observed) <= {cell for cell, exp in predicted.items() if exp > 0}, "drew what the target cannot"
+    kept = [cell for cell in predicted if predicted[cell] >= 5]
+    obs = [observed.get(cell, 0) for cell in kept] + [sum(observed.get(c, 0) for c in predicted if c not in kept)]
+    exp = [predicted[cell] for cell in kept] + [sum(predicted[c] for c in predicted if c not in kept)]
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    exp = [e * sum(obs) / sum(exp) for e in exp]
+    return chisquare(obs, exp).pvalue
+
+
+def draw(decoder, method, settings, n, gamma=2, seed=0, prompt=PROMPT, totals=None, length=LENGTH, **kwargs
+         ) -> dict[tuple, int]:
     """Counts of the n completions; `totals`, if given, sums the per-drafter stats of the runs into it."""
     temperature, top_k, top_p = settings
     counts: dict[tuple, int] = {}
     for i in range(n):
-        result = decoder.generate(prompt, max_new_tokens=LENGTH, method=method, gamma=gamma, temperature=temperature,
+        result = decoder.generate(prompt, max_new_tokens=length, method=method, gamma=gamma, temperature=temperature,
                                   top_k=top_k, top_p=top_p, seed=seed * 1_000_003 + i, **kwargs)
         key = tuple(result.token_ids)
         counts[key] = counts.get(key, 0) + 1
@@ -710,3 +732,49 @@ def test_wrong_rule_fails_the_test_with_the_draft_confidence_stop(close_pair, mo
     counts = draw(SpeculativeDecoder(draft, target), "google", SETTINGS["t1"], DRAFTER_SAMPLES, gamma=3, seed=23,
                   draft_confidence_threshold=CONFIDENCE)
     assert goodness_of_fit(counts, exact_distribution(target, *SETTINGS["t1"]), DRAFTER_SAMPLES) < 1e-6
+
+
+# Continuations of LONG tokens take several rounds (gamma 1: one or two tokens a round), so a round's outcome and
+# the next round's start (the draft's cache catching up after a bonus token, the caches cropped after a rejection,
+# adaptive gamma's per-position draws used again after a rejection) shape the last tokens: their marginal is
+# compared with the target's, enumerated as above (the fifth audit: the tests above stop after about two rounds).
+LONG = 5
+LONG_SAMPLES = 4_000
+LONG_CASES = {  # name: (method, gamma, drafter, verification, setting, prompt)
+    "google-gamma1-model": ("google", 1, "model", "token", "t1", PROMPT),
+    "deepmind-gamma1-model-topk3": ("deepmind", 1, "model", "token", "topk3", PROMPT),
+    "deepmind-gamma3-hybrid-block-topp": ("deepmind", 3, "hybrid", "block", "topp0.8", HYBRID_PROMPT),
+    "google-adaptive-model": ("google", None, "model", "token", "t0.8-topk5-topp0.9", PROMPT),
+}
+
+
+def long_draw(close_pair, monkeypatch, case: str, seed: int) -> tuple[dict, dict, dict]:
+    """(counts, exact distribution, summed stats) of LONG_SAMPLES continuations of LONG tokens under `case`."""
+    method, gamma, drafter, rule, setting, prompt = LONG_CASES[case]
+    if gamma is None:  # lengths forced to change at random, as timings would make them
+        lengths = random.Random(seed)
+        monkeypatch.setattr("specdec.engine.AdaptiveGamma.choose", lambda self: lengths.randint(1, 3))
+    draft, target = close_pair
+    totals = {}
+    counts = draw(SpeculativeDecoder(draft, target), method, SETTINGS[setting], LONG_SAMPLES, gamma=gamma, seed=seed,
+                  prompt=prompt, totals=totals, length=LONG, drafter=drafter, verification=rule)
+    return counts, exact_distribution(target, *SETTINGS[setting], prompt=prompt, length=LONG), totals
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("case", LONG_CASES)
+def test_the_last_tokens_of_a_many_round_continuation_follow_the_target(close_pair, monkeypatch, case):
+    counts, expected, totals = long_draw(close_pair, monkeypatch, case, seed=41)
+    rounds = sum(count for (name, _), count in totals.items() if name == "rounds_by_drafter")
+    assert rounds >= 2.5 * LONG_SAMPLES  # several rounds a continuation
+    for positions in (slice(LONG - 2, LONG), slice(LONG - 1, LONG), slice(0, 2)):
+        assert marginal_fit(counts, expected, LONG_SAMPLES, positions) > 1e-3, positions
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("case", ["google-gamma1-model", "google-adaptive-model"])
+def test_the_plain_residual_fails_the_many_round_test(close_pair, monkeypatch, case):
+    """The deliberately wrong rule fails the same test at the same size: it has power there."""
+    monkeypatch.setattr("specdec.verification.residual_probs", plain_p)
+    counts, expected, _ = long_draw(close_pair, monkeypatch, case, seed=41)
+    assert marginal_fit(counts, expected, LONG_SAMPLES, slice(LONG - 2, LONG)) < 1e-6

@@ -193,7 +193,9 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
     parser.add_argument("--compile", default="auto", type=str.lower, choices=("auto", "true", "false"),
                         help="the compiled static-cache path (torch.compile of each model's forwards of 1-17 tokens, "
                              "compiled at start-up): auto (default) is on for CUDA, off on CPU")
-    parser.add_argument("--device_map", default=None, help="accelerate device map for the target, e.g. auto")
+    parser.add_argument("--device_map", default="none",
+                        help="none (default): the target on --device; auto, balanced, balanced_low_0 or sequential: "
+                             "accelerate spreads it over the GPUs")
     parser.add_argument("--trust_remote_code", action="store_true", help="allow models' own code from the hub")
     parser.add_argument("-b", "--benchmark", action="store_true",
                         help="also time each method a few times (after one untimed warm-up each) and print tokens/s "

@@ -213,6 +213,7 @@ def test_the_benchmark_times_each_method_after_a_warm_up_of_its_own(pair_args, c
     (["--compile", "sometimes"], "--compile"),
     (["--quantize", "int3"], "--quantize"),
     (["--device", "tpu9"], "device"),
+    (["--device_map", "everywhere"], "device_map"),
     (["--lookup_max_tokens", "0"], "--lookup_max_tokens"),
     (["--lookup_max_ngram", "many"], "--lookup_max_ngram"),
     (["--hybrid_min_match", "9"], "--hybrid_min_match"),  # more than --lookup_max_ngram's 8

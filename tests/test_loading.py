@@ -173,6 +173,23 @@ def test_load_pair_in_bfloat16_with_a_device_map_for_the_target(tiny_pair_dirs, 
     assert target_call["local_files_only"] and target_call["trust_remote_code"] is False
 
 
+def test_device_map_none_is_the_settings_word_for_none_and_others_are_refused_before_loading(tiny_pair_dirs,
+                                                                                             monkeypatch):
+    """The fifth audit: `device_map = "none"`, the settings' default, was refused by load_pair and --device_map in
+    transformers' words, after the draft had loaded; a bad one too."""
+    from transformers import AutoModelForCausalLM
+
+    calls = []
+    original = AutoModelForCausalLM.from_pretrained.__func__
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        classmethod(lambda cls, path, **kwargs: calls.append(kwargs) or original(cls, path, **kwargs)))
+    with pytest.raises(SpecDecError) as error:
+        load_pair(*tiny_pair_dirs, device_map="everywhere")
+    assert error.value.field == "device_map" and "balanced_low_0" in str(error.value) and not calls
+    load_pair(*tiny_pair_dirs, device_map=" None ", draft_quantization="none")
+    assert all("device_map" not in call for call in calls)  # both read into the process's memory, no map
+
+
 def test_missing_folder_is_one_clear_error(tiny_pair_dirs, tmp_path):
     draft_dir, _ = tiny_pair_dirs
     with pytest.raises(SpecDecError) as error:

@@ -77,7 +77,7 @@ def test_device_map_and_trust_remote_code_reach_load_pair(monkeypatch):
     seen = {}
     monkeypatch.setattr("specdec.models.pair.load_pair", lambda **kwargs: seen.update(kwargs))
     loader.load_configured_pair(load_settings(environ={}))
-    assert (seen["device_map"], seen["trust_remote_code"]) == (None, False)
+    assert (seen["device_map"], seen["trust_remote_code"]) == ("none", False)  # load_pair's own word for None
     loader.load_configured_pair(load_settings(environ={"SPECDEC_DEVICE_MAP": " Auto ",
                                                       "SPECDEC_TRUST_REMOTE_CODE": "true"}))
     assert (seen["device_map"], seen["trust_remote_code"]) == ("auto", True)
@@ -248,3 +248,10 @@ def test_a_misspelled_variable_is_named_and_others_left_alone(caplog):
     assert settings.gamma == 4
     assert [record.getMessage() for record in caplog.records] == [
         "SPECDEC_GAMA is not a setting and is ignored: did you mean SPECDEC_GAMMA?"]
+    caplog.clear()
+    # the fifth audit: a setting's name cut short at a word was ignored without one (the default pair loaded)
+    with caplog.at_level("WARNING", logger="specdec.serve.config"):
+        settings = load_settings(environ={"SPECDEC_TARGET": "/m", "SPECDEC_MODEL": "/m", "SPECDEC_PORT_5000_TCP": "x"})
+    assert settings.target_model == "default" and [record.getMessage() for record in caplog.records] == [
+        "SPECDEC_MODEL is not a setting and is ignored: did you mean SPECDEC_DRAFT_MODEL or SPECDEC_TARGET_MODEL?",
+        "SPECDEC_TARGET is not a setting and is ignored: did you mean SPECDEC_TARGET_MODEL?"]

@@ -27,7 +27,7 @@ from .shipped import (
     shipped_applies,
     use_shipped_weights,
 )
-from .sources import names_default_pair, resolve_device, resolve_dtype, resolve_source
+from .sources import names_default_pair, resolve_device, resolve_device_map, resolve_dtype, resolve_source
 from .startup import startup_step
 from .tokenizers import load_and_check_tokenizers
 
@@ -100,6 +100,7 @@ def load_pair(draft: str | None = None, target: str | None = None, device: str =
     with startup_step("checked the model sources"):
         draft_quantization = resolve_draft_quantization(draft_quantization)
         device = resolve_device(device)
+        device_map = resolve_device_map(device_map)
         compiled = resolve_compile(compile, device)
         dtype = resolve_dtype(dtype, device)
         weights = resolve_weights(weights)

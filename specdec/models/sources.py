@@ -29,6 +29,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's named ways to spread a model
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,21 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         if backend is None or not getattr(backend, "is_available", lambda: False)():
             raise SpecDecError(f"device {device} is not available on this machine", field="device")
     return device
+
+
+def resolve_device_map(device_map):
+    """None or "none": the target on `device`; one of accelerate's DEVICE_MAPS, or its explicit map (a dict of
+    module names to devices), as given; a SpecDecError naming device_map otherwise (transformers' own came after
+    the draft had loaded)."""
+    if device_map is None or isinstance(device_map, dict):
+        return device_map
+    name = device_map.strip().lower() if isinstance(device_map, str) else None
+    if name == "none":
+        return None
+    if name not in DEVICE_MAPS:
+        raise SpecDecError(f"device_map must be none, {', '.join(DEVICE_MAPS)} or a dict of module names to devices, "
+                           f"got {device_map!r}", field="device_map")
+    return name
 
 
 def resolve_dtype(dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu") -> torch.dtype:

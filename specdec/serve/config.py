@@ -334,12 +334,17 @@ def _read_toml(path: Path, what: str) -> dict:
 
 def _from_env(environ: Mapping[str, str]) -> dict:
     """SPECDEC_<KEY> for every setting; an empty variable counts as unset. A SPECDEC_ variable that is no setting
-    but nearly one's name (SPECDEC_GAMA) is logged as a likely misspelling; other SPECDEC_ variables (the cache's,
-    a platform's) are left alone."""
+    but nearly one's name (SPECDEC_GAMA), or a setting's name cut short at a word (SPECDEC_TARGET, SPECDEC_MODEL),
+    is logged as a likely mistake; other SPECDEC_ variables (the cache's, a platform's) are left alone."""
     names = [ENV_PREFIX + name.upper() for name in Settings.model_fields]
     for variable in sorted(set(environ) - set(names) - {CONFIG_ENV, "SPECDEC_CACHE"}):
-        if variable.startswith(ENV_PREFIX) and (near := difflib.get_close_matches(variable, names, n=1, cutoff=0.85)):
-            logger.warning("%s is not a setting and is ignored: did you mean %s?", variable, near[0])
+        if not variable.startswith(ENV_PREFIX):
+            continue
+        word = variable.removeprefix(ENV_PREFIX)
+        near = [name for name in sorted(names) if name.startswith(variable + "_") or name.endswith("_" + word)] \
+            or difflib.get_close_matches(variable, names, n=1, cutoff=0.85)
+        if near:
+            logger.warning("%s is not a setting and is ignored: did you mean %s?", variable, " or ".join(near))
     return {name: environ[ENV_PREFIX + name.upper()] for name in Settings.model_fields
             if environ.get(ENV_PREFIX + name.upper(), "").strip()}
 

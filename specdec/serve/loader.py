@@ -136,7 +136,7 @@ def load_configured_pair(settings: Settings):
     from ..models.pair import load_pair  # the model-loading stack is imported only when a pair is loaded
 
     return load_pair(draft=settings.draft_model, target=settings.target_model, device=settings.device,
-                     dtype=settings.dtype, device_map=None if settings.device_map == "none" else settings.device_map,
+                     dtype=settings.dtype, device_map=settings.device_map,
                      trust_remote_code=settings.trust_remote_code,
                      draft_quantization=settings.draft_quantization, compile=settings.compile,
                      weights=settings.weights, quantize=settings.quantize,

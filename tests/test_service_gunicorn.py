@@ -359,6 +359,32 @@ def test_sigterm_drains_new_requests_503_while_in_flight_and_queued_ones_finish(
         server.stop()
 
 
+def test_sigterm_closes_idle_kept_alive_connections_instead_of_waiting_for_them(tmp_path_factory, tiny_pair_dirs):
+    """The fifth audit: a client holding a kept-alive connection idle kept a draining worker up for header_timeout
+    (20 s with 20, 31 s with 30). A connection that waits for a request with nothing sent is closed within
+    IDLE_GRACE; one whose client then sends has its request answered 503 where it arrives in time."""
+    import http.client
+
+    server = start(tmp_path_factory, tiny_pair_dirs, "idle-drain", header_timeout=60)
+    try:
+        idle = [http.client.HTTPConnection("127.0.0.1", server.port, timeout=30) for _ in range(3)]
+        for connection in idle:
+            connection.request("GET", "/healthz")
+            response = connection.getresponse()
+            assert response.status == 200 and response.read() and not response.will_close  # kept alive
+        never = socket.create_connection(("127.0.0.1", server.port))  # connected, never a request
+        signalled = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(20) == 0, server.log()[-3000:]
+        assert time.monotonic() - signalled < 8, server.log()[-3000:]  # not the 60 s of header_timeout
+        assert never.recv(1) == b""  # closed by the server, no answer
+        never.close()
+        for connection in idle:
+            connection.close()
+    finally:
+        server.stop()
+
+
 def test_sigterm_while_the_models_load_or_right_after_stops_at_once(tmp_path, tiny_pair_dirs):
     """Threads that loading starts (transformers' thread pool) must not keep the worker from exiting."""
     draft_dir, target_dir = tiny_pair_dirs

@@ -6,7 +6,9 @@
 - enough file descriptors for `worker_connections`, the soft limit raised towards the hard one if need be;
 - draining on SIGTERM: the service refuses new requests at once (503 with Retry-After, /readyz 503) but the
   worker keeps accepting and answering until the requests in flight and queued are done, then stops as gunicorn's
-  gevent worker does, all within gunicorn's graceful_timeout;
+  gevent worker does, all within gunicorn's graceful_timeout; a kept-alive connection that has waited IDLE_GRACE
+  for a request with nothing sent is closed meanwhile (as Go's Server.Shutdown closes idle ones), so that a client
+  holding one does not keep the worker up for `header_timeout`;
 - gunicorn's own error answers (a request line or headers it cannot parse: 400, 414, 431) in the service's JSON
   error shape, not gunicorn's HTML page;
 - an answer that says `Connection: close` (one that left the request's body unread: 408, 413) closes the
@@ -21,6 +23,7 @@ import json
 import logging
 import os
 import resource
+import socket
 import sys
 import time
 import uuid
@@ -36,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 # descriptors the worker needs besides its connections: listeners, pipes, logs, model files, the engine's
 RESERVED_DESCRIPTORS = 128
+# while draining, a connection waiting this long for a request's head with nothing sent is closed (seconds): a new
+# one sends its request at once and is answered 503, an idle kept-alive one goes
+IDLE_GRACE = 1.0
 
 
 class Worker(GeventWorker):
@@ -45,7 +51,8 @@ class Worker(GeventWorker):
         super().__init__(*args, **kwargs)
         self.service = None  # the app's Service, once the app is loaded
         self.header_timeout = float(self.cfg.keepalive or 10)
-        self._connection = local()  # per connection's greenlet: the request being answered (`request`)
+        self._connection = local()  # per connection's greenlet: its socket (`client`), the request answered
+        self._waiting = {}  # socket: since when (monotonic) it waits for a request's head
 
     def init_process(self):
         self.worker_connections = descriptors_for(self.worker_connections)
@@ -68,8 +75,16 @@ class Worker(GeventWorker):
         self.header_timeout = self.service.settings.header_timeout
         self.wsgi = self._closing(self.wsgi)
 
+    def handle(self, listener, client, addr):
+        self._connection.client = client
+        try:
+            super().handle(listener, client, addr)
+        finally:
+            self._waiting.pop(client, None)
+
     def handle_request(self, listener_name, req, sock, addr):
         self._connection.request = req
+        self._waiting.pop(sock, None)
         return super().handle_request(listener_name, req, sock, addr)
 
     def _closing(self, app):
@@ -86,7 +101,23 @@ class Worker(GeventWorker):
 
     def timeout_ctx(self):
         # gunicorn times each wait for a request's head with this: a new connection's, or a kept-alive one's next
+        client = getattr(self._connection, "client", None)
+        if client is not None:
+            self._waiting[client] = time.monotonic()
         return gevent.Timeout(self.header_timeout, False)
+
+    def _close_idle(self, grace: float = IDLE_GRACE) -> None:
+        """Close the connections that have waited `grace` for a request's head with nothing sent (draining): the
+        greenlet reading it sees the end and ends. One with bytes arriving is left to be answered."""
+        from .concurrency import readable
+
+        now = time.monotonic()
+        for client, since in list(self._waiting.items()):
+            try:
+                if now - since >= grace and not readable(client):
+                    client.shutdown(socket.SHUT_RDWR)
+            except (OSError, ValueError):  # closed meanwhile
+                pass
 
     def handle_exit(self, sig, frame):
         """SIGTERM from the master: drain, then stop."""
@@ -105,10 +136,14 @@ class Worker(GeventWorker):
         started = time.monotonic()
         deadline = started + self.cfg.graceful_timeout
         while not self.service.idle and time.monotonic() < deadline:
+            self._close_idle()
             gevent.sleep(0.05)
         logger.info("drained in %.1f s%s", time.monotonic() - started,
                     "" if self.service.idle else " (graceful_timeout reached, requests still running)")
         self.alive = False  # gunicorn's gevent worker closes its listeners and lets the open connections end
+        while self._waiting and time.monotonic() < deadline:  # those that wait for a request end here
+            self._close_idle()
+            gevent.sleep(0.05)
 
 
 def write_json_error(sock, status: int, reason: str, message: str) -> None:

@@ -16,6 +16,7 @@ import random
 import sys
 
 from .errors import SpecDecError
+from .models.default_pair import CONFIDENCE_THRESHOLD
 from .params import (
     DRAFTERS,
     LOOKUP_KEYS,
@@ -93,6 +94,12 @@ def _gamma(text):
     return _sampling_flag("gamma", int, f"must be an integer from 1 to {MAX_GAMMA}, or auto (adaptive)")(text)
 
 
+def _confidence(text):
+    if text == "auto":  # resolved once the models are named (run): the service's default too
+        return None
+    return _sampling_flag("draft_confidence_threshold", float, "must be a number from 0 to 1, or auto")(text)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag gives one line (and a pointer to --help) instead of the whole usage."""
 
@@ -128,12 +135,11 @@ def build_parser(prog: str = "main.py") -> argparse.ArgumentParser:
     parser.add_argument("--verification", default=SamplingParams.verification, choices=VERIFICATIONS,
                         help="token (token by token) or block (the block jointly, Sun et al. 2025) (default "
                              f"{SamplingParams.verification})")
-    parser.add_argument("--draft_confidence_threshold", default=SamplingParams.draft_confidence_threshold,
-                        type=_sampling_flag("draft_confidence_threshold", float, "must be a number from 0 to 1"),
+    parser.add_argument("--draft_confidence_threshold", default=None, type=_confidence,
                         metavar="P", help="the draft model ends its run before gamma after a token it gave a "
                                           "probability below P (softmax of its logits, before temperature and "
-                                          "top-k/top-p); 0 never (default "
-                                          f"{SamplingParams.draft_confidence_threshold:g})")
+                                          "top-k/top-p); 0 never; auto (default), as the service: "
+                                          f"{CONFIDENCE_THRESHOLD:g} for the default pair, 0 for others")
     for field, flag in LOOKUP_KEYS.items():
         default = getattr(LookupSettings, field)
         if isinstance(default, bool):
@@ -352,6 +358,10 @@ def run(args, out=None) -> int:
     from .models.pair import load_pair
 
     out = sys.stdout if out is None else out
+    if args.draft_confidence_threshold is None:  # auto
+        from .models.sources import auto_confidence_threshold
+
+        args.draft_confidence_threshold = auto_confidence_threshold(args.draft_model_name, args.target_model_name)
     lookup = lookup_settings(args)  # checked before the models load
     sampling_params(args, "google", 0)  # the flags' combinations too
     if not args.input:

@@ -320,3 +320,20 @@ def test_json_schema_and_regex_constrain_every_method(pair_args, capsys, tmp_pat
     path.write_text("{not json")
     assert main(pair_args + ["--json-schema", str(path)]) == 2
     assert "--json-schema" in capsys.readouterr().err
+
+
+def test_the_draft_confidence_threshold_defaults_as_the_services(tiny_pair_dirs, pair_args, capsys, monkeypatch):
+    """auto (the default), as the service's setting: the default pair's measured threshold where both models name
+    it, 0 for other pairs; a number as given (the fifth audit: the CLI always took 0, the service 0.6)."""
+    import specdec.models.pair as pair_module
+
+    assert main(pair_args + ["-v", "--method", "google"]) == 0
+    assert "draft confidence threshold 0\n" in capsys.readouterr().out
+    assert main(pair_args + ["-v", "--method", "google", "--draft_confidence_threshold", "0.3"]) == 0
+    assert "draft confidence threshold 0.3\n" in capsys.readouterr().out
+    named = []
+    load = pair_module.load_pair
+    monkeypatch.setattr(pair_module, "load_pair", lambda draft, target, **kwargs: named.append((draft, target))
+                        or load(*tiny_pair_dirs, **kwargs))  # the default pair named, the tiny pair loaded
+    assert main(["--input", "def add(a, b):", "-M", "6", "-s", "7", "-v", "--method", "google"]) == 0
+    assert named == [(None, None)] and "draft confidence threshold 0.6\n" in capsys.readouterr().out

@@ -4,8 +4,9 @@ import tomllib
 
 import pytest
 
+from specdec.models.default_pair import CONFIDENCE_THRESHOLD as DEFAULT_PAIR_CONFIDENCE_THRESHOLD
 from specdec.params import LookupSettings
-from specdec.serve.config import DEFAULT_FILE, DEFAULT_PAIR_CONFIDENCE_THRESHOLD, ConfigError, Settings, load_settings
+from specdec.serve.config import DEFAULT_FILE, ConfigError, Settings, load_settings
 
 
 def test_every_setting_has_a_default():

@@ -35,6 +35,9 @@ MARKER = "specdec-complete.json"
 FORMAT_VERSION = 1  # bump when the folder layout changes, so older caches are rebuilt
 CHUNK_BYTES = 8 << 20
 TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "added_tokens", "chat_template", "vocab", "merges")
+# draft_confidence_threshold "auto" for this pair (measured, bench/README.md "Draft-confidence stop"); other pairs
+# keep 0 (the draft always drafts gamma tokens)
+CONFIDENCE_THRESHOLD = 0.6
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,13 @@ def names_default_pair(name: str | None) -> bool:
     return name is None or name == DEFAULT or name.lower() in ALIASES
 
 
+def auto_confidence_threshold(draft: str | None, target: str | None) -> float:
+    """draft_confidence_threshold "auto": the default pair's CONFIDENCE_THRESHOLD where both models name it, else 0."""
+    from .default_pair import CONFIDENCE_THRESHOLD
+
+    return CONFIDENCE_THRESHOLD if names_default_pair(draft) and names_default_pair(target) else 0.0
+
+
 def resolve_source(name: str | None, role: str) -> ModelSource:
     """Turn a model argument into a ModelSource; the default pair is prepared (converted once) on first use."""
     field = f"{role}_model"

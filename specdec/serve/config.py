@@ -44,9 +44,6 @@ HOST = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?")  # a host name 
 # the longest any timeout may be: a day's timeouts are already beyond any client's; much longer overflow the
 # waits that take them (a thread's wait refuses more than about 9.2e9 s)
 MAX_SECONDS = 1_000_000
-# draft_confidence_threshold "auto" for the default pair (measured, bench/README.md "Draft-confidence stop"); other
-# pairs, and pairs a custom loader gives, keep 0 (the draft always drafts gamma tokens)
-DEFAULT_PAIR_CONFIDENCE_THRESHOLD = 0.6
 
 
 class ConfigError(ValueError):
@@ -90,7 +87,7 @@ class Settings(BaseModel):
     method: Literal[SERVED_METHODS]
     drafter: Literal[DRAFTERS]
     verification: Literal[VERIFICATIONS]
-    # None ("auto"): DEFAULT_PAIR_CONFIDENCE_THRESHOLD for the default pair loaded by the default loader, else 0
+    # None ("auto"): default_pair.CONFIDENCE_THRESHOLD for the default pair loaded by the default loader, else 0
     draft_confidence_threshold: Probability | None
     gamma: int | None = Field(ge=1)  # None: adaptive
     max_gamma: int = Field(ge=1, le=MAX_GAMMA)
@@ -237,15 +234,15 @@ class Settings(BaseModel):
 
     @property
     def confidence_threshold(self) -> float:
-        """draft_confidence_threshold, "auto" resolved: DEFAULT_PAIR_CONFIDENCE_THRESHOLD where the service loads
+        """draft_confidence_threshold, "auto" resolved: default_pair.CONFIDENCE_THRESHOLD where the service loads
         the default pair itself (both models name it, no custom loader), else 0."""
         if self.draft_confidence_threshold is not None:
             return self.draft_confidence_threshold
-        from ..models.sources import names_default_pair
+        if self.loader is not None:  # a custom loader's pair, whatever the model settings name
+            return 0.0
+        from ..models.sources import auto_confidence_threshold
 
-        default_pair = self.loader is None and names_default_pair(self.draft_model) and \
-            names_default_pair(self.target_model)
-        return DEFAULT_PAIR_CONFIDENCE_THRESHOLD if default_pair else 0.0
+        return auto_confidence_threshold(self.draft_model, self.target_model)
 
     @property
     def takes_adaptive_gamma(self) -> bool:

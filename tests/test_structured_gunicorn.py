@@ -147,6 +147,12 @@ def test_streamed_tool_calls_accumulate_in_the_sdk_helper(client):
                                               tool_choice="required", max_completion_tokens=200)
     assert [c.function.arguments for c in streamed.choices[0].message.tool_calls] == [
         c.function.arguments for c in message.tool_calls]  # the same seed: the same calls, streamed or not
+    # the helper's message sent back as it is, as agent loops do (the fifth audit: its `parsed`, `index` and
+    # `parsed_arguments` were refused as unknown, a 400 on the loop's second turn)
+    results = [{"role": "tool", "tool_call_id": call.id, "content": "ok"} for call in message.tool_calls]
+    after = client.chat.completions.create(model="target", messages=[*MESSAGES, message, *results],
+                                           tools=[WEATHER, ADD], tool_choice="none", max_completion_tokens=5)
+    assert after.choices[0].message.content is not None
 
 
 def test_bad_structured_inputs_are_400_naming_the_field(client):

@@ -15,6 +15,7 @@ from specdec.serve.structured import (
     ToolCallReader,
     content_of,
     parse_tool_calls,
+    stream_pieces,
     template_messages,
     tool_constraint,
 )
@@ -406,3 +407,45 @@ def test_under_tools_auto_a_stream_sends_its_content_as_it_is_decoded(client):
     assert whole["message"]["content"] and content == whole["message"]["content"]
     assert not whole["message"].get("tool_calls")  # the random model writes text
     assert sum(1 for d in deltas[:-1] if d["delta"].get("content")) >= 2
+
+
+def test_a_stream_sends_text_and_calls_in_the_order_the_text_holds_them():
+    """The fifth audit: where one round decoded the end of a call's arguments and text after the call, the text
+    went out first (each round sent its content, then its calls). Whatever rounds the text comes in, the pieces
+    follow the text: the content before the call, the call's head and arguments, the content after it; joined,
+    the answer whole's content and arguments."""
+    text = ('Let me check. <tool_call>\n{"name": "f", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
+            ' Done.')
+    for size in (1, 3, 7, 40, len(text)):
+        reader, said, order = ToolCallReader(), "", []
+        for start in range(0, len(text), size):
+            pieces, said = stream_pieces(text[:start + size], start, said, reader)
+            order += [(kind, piece if kind == "content" else piece[3]) for kind, piece in pieces]
+        assert "".join(piece for kind, piece in order if kind == "content") == content_of(text), size
+        assert "".join(piece for kind, piece in order if kind == "call") == \
+            parse_tool_calls(text)[1][0].function.arguments, size
+        calls = [i for i, (kind, _) in enumerate(order) if kind == "call"]
+        assert "".join(piece for kind, piece in order[:calls[0]] if kind == "content") == "Let me check.", size
+        assert "".join(piece for kind, piece in order[calls[-1]:] if kind == "content").strip() == "Done.", size
+
+
+def test_an_sdk_helpers_message_sent_back_in_the_history_is_taken(client):
+    """The fifth audit: the openai SDK's stream() and parse() helpers give messages with `parsed`, and tool calls
+    with `index` and `function.parsed_arguments`; an agent loop that sent one back got a 400 on its second turn.
+    They are accepted and left out of the prompt: the same prompt as without them."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_1", "content": "2"}]
+    helper = [plain[0], {**plain[1], "parsed": None, "refusal": None, "tool_calls": [
+        {**call, "index": 0, "function": {**call["function"], "parsed_arguments": {"x": 1}}}]}, plain[2]]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    answers = [client.post("/v1/chat/completions", json={"model": "target", "messages": messages, "tools": tools,
+                                                          "max_tokens": 3, "temperature": 0, "tool_choice": "none",
+                                                          "cache_prompt": False})
+               for messages in (plain, helper)]
+    assert [answer.status_code for answer in answers] == [200, 200], answers[1].get_json()
+    assert answers[0].get_json()["usage"] == answers[1].get_json()["usage"]
+    assert answers[0].get_json()["choices"][0]["message"] == answers[1].get_json()["choices"][0]["message"]
+    parsed = {"role": "assistant", "content": "{\"ok\": true}", "parsed": {"ok": True}}
+    assert client.post("/v1/chat/completions", json={"model": "target", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"}, parsed, {"role": "user", "content": "again"}]}).status_code == 200

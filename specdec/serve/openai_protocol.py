@@ -236,6 +236,8 @@ class ChatMessage(BaseModel):
                                                              "message holds it: citations)")
     audio: None = Field(None, description="accepted as null (an answer's message holds it)")
     function_call: None = Field(None, description="accepted as null (the deprecated form of tool_calls)")
+    parsed: Any = Field(None, exclude=True, description="accepted and left out of the prompt (the SDK's parse and "
+                                                        "stream helpers' messages hold the parsed content)")
 
     @model_validator(mode="after")
     def _refusals_are_the_assistants(self):

@@ -44,7 +44,7 @@ from .openai_protocol import (
     parse,
 )
 from .protocol import read_json_object
-from .structured import ToolCallReader, content_of, parse_tool_calls
+from .structured import ToolCallReader, parse_tool_calls, stream_pieces
 
 openai_routes = Blueprint("openai", __name__, url_prefix="/v1")
 DONE = "data: [DONE]\n\n"
@@ -473,12 +473,15 @@ class Reply:
             if first:
                 entries += self._prompt_entries(choices, index, generation)
                 first = False
+            start = len(text)
             text += completion.take()
-            if self.tools:  # the text outside the calls as it grows (content_of), the calls as they are decoded
-                if len(now := content_of(text, final=False) or "") > len(said):
-                    yield self._chunk(now[len(said):], index)
-                    said = now
-                yield from self._call_deltas(reader.read(text), streamed, index)
+            if self.tools:  # the text outside the calls as it grows, the calls as they are decoded, in text order
+                pieces, said = stream_pieces(text, start, said, reader)
+                for kind, piece in pieces:
+                    if kind == "content":
+                        yield self._chunk(piece, index)
+                    else:
+                        yield from self._call_deltas([piece], streamed, index)
                 return
             entries += self._entries(choices, index, generation, completion.take_tokens())
             if not generation.final and (text or entries):

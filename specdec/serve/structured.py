@@ -170,6 +170,8 @@ class FunctionCall(BaseModel):
 
     name: str
     arguments: str = Field(description="the arguments, as a JSON text")
+    # accepted in a conversation's history and left out (the SDK's parse and stream helpers' messages hold it)
+    parsed_arguments: Any = Field(None, exclude=True, description="accepted and ignored (the SDK's parsed form)")
 
 
 class ToolCall(BaseModel):
@@ -178,6 +180,8 @@ class ToolCall(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    # accepted in a conversation's history and left out (the SDK's stream helper's messages hold it)
+    index: int | None = Field(None, exclude=True, description="accepted and ignored (a streamed call's index)")
 
 
 def check_tools(tools: list[Tool] | None, tool_choice) -> None:
@@ -374,6 +378,22 @@ class ToolCallReader:
             call["sent"] = stop - call["start"]
             call["done"] = end is not None
         return out
+
+
+def stream_pieces(text: str, start: int, said: str, reader: ToolCallReader) -> tuple[list[tuple[str, Any]], str]:
+    """What a stream sends of a completion's `text` that grew past `start` characters: ("content", text) and
+    ("call", ToolCallReader piece) in the order the text holds them (the text before a call, the call, the text
+    after it, where one round decoded them all), and the content sent so far once they are (`said` before)."""
+    cuts = {len(text)} | {match.start() for match in re.finditer(re.escape(CALL_BEGIN), text) if match.start() > start} \
+        | {match.end() for match in re.finditer(re.escape(CALL_END), text) if match.end() > start}
+    out = []
+    for cut in sorted(cuts):
+        now = content_of(text[:cut], final=False) or ""
+        if len(now) > len(said):
+            out.append(("content", now[len(said):]))
+            said = now
+        out.extend(("call", piece) for piece in reader.read(text[:cut]))
+    return out, said
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

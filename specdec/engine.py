@@ -120,8 +120,8 @@ def _as_ids(value) -> list[int]:
 def _checked_eos(value, vocab_size: int) -> list[int]:
     """A caller's eos_token_id (an id, a list of ids or a tensor) as a list of ids of the vocabulary; a SpecDecError
     naming it otherwise (a typo would have disabled stopping without a word)."""
-    ids = value.tolist() if isinstance(value, torch.Tensor) else value
-    if isinstance(ids, (set, frozenset)):
+    ids = value.tolist() if hasattr(value, "tolist") else value  # a tensor's or a NumPy array's, or scalar's
+    if isinstance(ids, (set, frozenset, range)):
         ids = list(ids)  # token_ids checks each id before it sorts them
     elif not isinstance(ids, (list, tuple)):
         ids = [ids]  # one id: anything but an integer is refused as one

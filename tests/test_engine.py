@@ -555,6 +555,19 @@ def test_bad_arguments_raise_clear_error(decoder, kwargs, field):
     assert err.value.field == field
 
 
+def test_eos_token_ids_come_in_the_shapes_callers_hold_them(decoder):
+    """An id, a list, a set, a range, a tensor, a NumPy array or scalar: the same stop (a review found a range and
+    an array refused as "must be an integer")."""
+    import numpy
+
+    greedy = decoder.generate(PROMPT, max_new_tokens=12, temperature=0, eos_token_id=[]).token_ids
+    eos = greedy[4]
+    stops = [decoder.generate(PROMPT, max_new_tokens=12, temperature=0, eos_token_id=shape).token_ids
+             for shape in (eos, [eos], {eos}, range(eos, eos + 1), torch.tensor([eos]), numpy.array([eos]),
+                           numpy.int64(eos))]
+    assert all(stop == greedy[:greedy.index(eos) + 1] for stop in stops), stops
+
+
 def test_a_logit_bias_is_kept_sorted_and_an_empty_one_is_none():
     params = SamplingParams(logit_bias={7: -100, 2: 0.5})
     assert params.logit_bias == ((2, 0.5), (7, -100.0)) and hash(params) == hash(params.replace())

@@ -188,6 +188,11 @@ def test_device_map_none_is_the_settings_word_for_none_and_others_are_refused_be
     assert error.value.field == "device_map" and "balanced_low_0" in str(error.value) and not calls
     load_pair(*tiny_pair_dirs, device_map=" None ", draft_quantization="none")
     assert all("device_map" not in call for call in calls)  # both read into the process's memory, no map
+    from specdec.models.sources import resolve_device_map
+
+    # one device, as transformers takes it, passes as before (a review: the first version refused it)
+    assert [resolve_device_map(value) for value in ("cuda:1", 0, torch.device("cpu"))] == [
+        "cuda:1", 0, torch.device("cpu")]
 
 
 def test_missing_folder_is_one_clear_error(tiny_pair_dirs, tmp_path):

@@ -70,17 +70,23 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
 
 
 def resolve_device_map(device_map):
-    """None or "none": the target on `device`; one of accelerate's DEVICE_MAPS, or its explicit map (a dict of
-    module names to devices), as given; a SpecDecError naming device_map otherwise (transformers' own came after
-    the draft had loaded)."""
-    if device_map is None or isinstance(device_map, dict):
+    """None or "none": the target on `device`; one of accelerate's DEVICE_MAPS, its explicit map (a dict of module
+    names to devices), or one device (a name torch knows, an index, a torch.device), as transformers takes them; a
+    SpecDecError naming device_map otherwise (transformers' own came after the draft had loaded)."""
+    if device_map is None or isinstance(device_map, (dict, torch.device)):
+        return device_map
+    if isinstance(device_map, int) and not isinstance(device_map, bool) and device_map >= 0:
         return device_map
     name = device_map.strip().lower() if isinstance(device_map, str) else None
     if name == "none":
         return None
-    if name not in DEVICE_MAPS:
-        raise SpecDecError(f"device_map must be none, {', '.join(DEVICE_MAPS)} or a dict of module names to devices, "
-                           f"got {device_map!r}", field="device_map")
+    if name in DEVICE_MAPS:
+        return name
+    try:
+        torch.device(name)
+    except (RuntimeError, TypeError):
+        raise SpecDecError(f"device_map must be none, {', '.join(DEVICE_MAPS)}, a device or a dict of module names "
+                           f"to devices, got {device_map!r}", field="device_map") from None
     return name
 
 

@@ -342,23 +342,17 @@ def client_gone(sock) -> bool:
     without gevent or a socket (the test client)."""
     if sock is None or not gevent_patched():
         return False
-    try:
-        return readable(sock) and _hung_up(sock)
-    except (OSError, ValueError):  # the socket closed under us
-        return True
-
-
-def readable(sock) -> bool:
-    """Whether `sock` (under gevent) has bytes to read now, or a TLS record already decrypted: the OS's own poll, at
-    once (no limit on descriptor numbers, as select's 1024; nothing waited for). OSError or ValueError for a
-    socket closed under us."""
     import select
 
     from gevent.monkey import get_original
 
-    poll = get_original("select", "poll")()
-    poll.register(sock.fileno(), select.POLLIN)
-    return bool(poll.poll(0)) or bool(getattr(sock, "pending", lambda: 0)())
+    try:  # the OS's own poll, at once: no limit on descriptor numbers (select's is 1024), nothing waited for
+        poll = get_original("select", "poll")()
+        poll.register(sock.fileno(), select.POLLIN)
+        readable = bool(poll.poll(0))
+    except (OSError, ValueError):  # the socket closed under us
+        return True
+    return readable and _hung_up(sock)
 
 
 def _hung_up(sock) -> bool:

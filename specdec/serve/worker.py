@@ -6,9 +6,9 @@
 - enough file descriptors for `worker_connections`, the soft limit raised towards the hard one if need be;
 - draining on SIGTERM: the service refuses new requests at once (503 with Retry-After, /readyz 503) but the
   worker keeps accepting and answering until the requests in flight and queued are done, then stops as gunicorn's
-  gevent worker does, all within gunicorn's graceful_timeout; a kept-alive connection that has waited IDLE_GRACE
-  for a request with nothing sent is closed meanwhile (as Go's Server.Shutdown closes idle ones), so that a client
-  holding one does not keep the worker up for `header_timeout`;
+  gevent worker does, all within gunicorn's graceful_timeout; while draining, a request's head must come within
+  DRAIN_HEADER_TIMEOUT (a connection that waits for one longer is closed, as `header_timeout` closes it), so
+  that a client holding an idle kept-alive connection does not keep the worker up for `header_timeout`;
 - gunicorn's own error answers (a request line or headers it cannot parse: 400, 414, 431) in the service's JSON
   error shape, not gunicorn's HTML page;
 - an answer that says `Connection: close` (one that left the request's body unread: 408, 413) closes the
@@ -19,11 +19,11 @@ gevent patches the process itself when the worker starts (before the app is load
 worker does; the master is never patched.
 """
 
+import contextlib
 import json
 import logging
 import os
 import resource
-import socket
 import sys
 import time
 import uuid
@@ -39,9 +39,9 @@ logger = logging.getLogger(__name__)
 
 # descriptors the worker needs besides its connections: listeners, pipes, logs, model files, the engine's
 RESERVED_DESCRIPTORS = 128
-# while draining, a connection waiting this long for a request's head with nothing sent is closed (seconds): a new
-# one sends its request at once and is answered 503, an idle kept-alive one goes
-IDLE_GRACE = 1.0
+# while draining, the longest wait for a request's head (seconds), from the drain's start or the wait's if later: a
+# new connection sends its request at once and is answered 503, an idle kept-alive one is closed
+DRAIN_HEADER_TIMEOUT = 2.0
 
 
 class Worker(GeventWorker):
@@ -52,7 +52,8 @@ class Worker(GeventWorker):
         self.service = None  # the app's Service, once the app is loaded
         self.header_timeout = float(self.cfg.keepalive or 10)
         self._connection = local()  # per connection's greenlet: its socket (`client`), the request answered
-        self._waiting = {}  # socket: since when (monotonic) it waits for a request's head
+        self._waiting = {}  # socket: (greenlet, gevent.Timeout) of its wait for a request's head
+        self._timers = []  # the hub's timers that end those waits while draining (held until the worker ends)
 
     def init_process(self):
         self.worker_connections = descriptors_for(self.worker_connections)
@@ -77,14 +78,10 @@ class Worker(GeventWorker):
 
     def handle(self, listener, client, addr):
         self._connection.client = client
-        try:
-            super().handle(listener, client, addr)
-        finally:
-            self._waiting.pop(client, None)
+        super().handle(listener, client, addr)
 
     def handle_request(self, listener_name, req, sock, addr):
         self._connection.request = req
-        self._waiting.pop(sock, None)
         return super().handle_request(listener_name, req, sock, addr)
 
     def _closing(self, app):
@@ -101,23 +98,37 @@ class Worker(GeventWorker):
 
     def timeout_ctx(self):
         # gunicorn times each wait for a request's head with this: a new connection's, or a kept-alive one's next
-        client = getattr(self._connection, "client", None)
-        if client is not None:
-            self._waiting[client] = time.monotonic()
-        return gevent.Timeout(self.header_timeout, False)
+        return self._head_wait(getattr(self._connection, "client", None))
 
-    def _close_idle(self, grace: float = IDLE_GRACE) -> None:
-        """Close the connections that have waited `grace` for a request's head with nothing sent (draining): the
-        greenlet reading it sees the end and ends. One with bytes arriving is left to be answered."""
-        from .concurrency import readable
-
-        now = time.monotonic()
-        for client, since in list(self._waiting.items()):
+    @contextlib.contextmanager
+    def _head_wait(self, client):
+        """A wait for a request's head, `header_timeout` long (DRAIN_HEADER_TIMEOUT while draining): its end ends
+        the wait quietly, and gunicorn closes the connection. Listed in `_waiting` while it lasts."""
+        draining = self.service is not None and self.service.draining
+        with gevent.Timeout(min(self.header_timeout, DRAIN_HEADER_TIMEOUT) if draining else self.header_timeout,
+                            False) as timeout:
+            if client is not None:
+                self._waiting[client] = (gevent.getcurrent(), timeout)
             try:
-                if now - since >= grace and not readable(client):
-                    client.shutdown(socket.SHUT_RDWR)
-            except (OSError, ValueError):  # closed meanwhile
-                pass
+                yield
+            finally:
+                if client is not None:
+                    self._waiting.pop(client, None)
+
+    def _shorten_waits(self) -> None:
+        """Draining: the waits for a request's head under way end within DRAIN_HEADER_TIMEOUT (each by its own
+        timeout, thrown as gevent throws it when it runs out)."""
+        for client, (greenlet, timeout) in list(self._waiting.items()):
+            if timeout.seconds > DRAIN_HEADER_TIMEOUT:
+                timeout.cancel()
+                timer = gevent.get_hub().loop.timer(DRAIN_HEADER_TIMEOUT)
+                self._timers.append(timer)
+                timer.start(self._end_wait, client, greenlet, timeout)
+
+    def _end_wait(self, client, greenlet, timeout) -> None:
+        """In the hub: end `greenlet`'s wait for a request's head if it is still the same wait."""
+        if self._waiting.get(client, (None, None))[1] is timeout:
+            greenlet.throw(timeout)
 
     def handle_exit(self, sig, frame):
         """SIGTERM from the master: drain, then stop."""
@@ -135,15 +146,12 @@ class Worker(GeventWorker):
                     int(scheduler.busy), scheduler.waiting)
         started = time.monotonic()
         deadline = started + self.cfg.graceful_timeout
+        self._shorten_waits()
         while not self.service.idle and time.monotonic() < deadline:
-            self._close_idle()
             gevent.sleep(0.05)
         logger.info("drained in %.1f s%s", time.monotonic() - started,
                     "" if self.service.idle else " (graceful_timeout reached, requests still running)")
         self.alive = False  # gunicorn's gevent worker closes its listeners and lets the open connections end
-        while self._waiting and time.monotonic() < deadline:  # those that wait for a request end here
-            self._close_idle()
-            gevent.sleep(0.05)
 
 
 def write_json_error(sock, status: int, reason: str, message: str) -> None:

@@ -381,7 +381,10 @@ def test_sigterm_closes_idle_kept_alive_connections_instead_of_waiting_for_them(
         time.sleep(0.2)
         signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
-        time.sleep(DRAIN_HEADER_TIMEOUT / 2)
+        while "draining: new requests" not in server.log():  # the worker has it (its waits are shortened now)
+            assert time.monotonic() - signalled < 20, server.log()[-3000:]
+            time.sleep(0.02)
+        time.sleep(DRAIN_HEADER_TIMEOUT / 4)
         partial.sendall(b"\r\n")
         assert partial.recv(4096).startswith(b"HTTP/1.1 503"), server.log()[-3000:]
         assert server.process.wait(20) == 0, server.log()[-3000:]

@@ -54,9 +54,12 @@ class ConfigError(ValueError):
 TopP = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
 
 
+GAMMA_WORDS = f'must be an integer of at least 1, or "{ADAPTIVE}"'  # a gamma that is neither, setting or request
+
+
 def _gamma(value):
     if isinstance(value, str) and value != ADAPTIVE:  # one clear message, not the union's first branch's
-        raise ValueError(f'must be an integer of at least 1, or "{ADAPTIVE}"')
+        raise ValueError(GAMMA_WORDS)
     return value
 
 
@@ -175,7 +178,7 @@ class Settings(BaseModel):
         if isinstance(value, str) and value.strip().lower() in (ADAPTIVE, "auto", *NONE):
             return None
         if isinstance(value, str) and not _integral(value):
-            raise ValueError(f'must be an integer of at least 1, or "{ADAPTIVE}"')
+            raise ValueError(GAMMA_WORDS)
         return value
 
     @field_validator("prompt_cache_bytes", "draft_vocab_size", "draft_confidence_threshold", mode="before")

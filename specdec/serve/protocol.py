@@ -322,7 +322,7 @@ def request_schema(settings: Settings) -> dict:
     props = schema["properties"]
     defaults = settings.sampling
     bound(props["max_new_tokens"], maximum=settings.max_new_tokens_limit,
-           default=f"default {defaults.max_new_tokens}")
+          default=f"default {defaults.max_new_tokens}")
     bound(props["min_tokens"], maximum=settings.max_new_tokens_limit)  # and at most the request's max_new_tokens
     bound_gamma(props["gamma"], settings)
     for name in ("temperature", "top_k", "top_p", "method", "drafter", "verification", "draft_confidence_threshold"):

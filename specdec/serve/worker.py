@@ -51,8 +51,8 @@ class Worker(GeventWorker):
         super().__init__(*args, **kwargs)
         self.service = None  # the app's Service, once the app is loaded
         self.header_timeout = float(self.cfg.keepalive or 10)
-        self._connection = local()  # per connection's greenlet: its socket (`client`), the request answered
-        self._waiting = {}  # socket: (greenlet, gevent.Timeout) of its wait for a request's head
+        self._connection = local()  # per connection's greenlet: the request being answered (`request`)
+        self._waiting = {}  # a connection's greenlet: the gevent.Timeout of its wait for a request's head
         self._timers = []  # the hub's timers that end those waits while draining (held until the worker ends)
 
     def init_process(self):
@@ -76,10 +76,6 @@ class Worker(GeventWorker):
         self.header_timeout = self.service.settings.header_timeout
         self.wsgi = self._closing(self.wsgi)
 
-    def handle(self, listener, client, addr):
-        self._connection.client = client
-        super().handle(listener, client, addr)
-
     def handle_request(self, listener_name, req, sock, addr):
         self._connection.request = req
         return super().handle_request(listener_name, req, sock, addr)
@@ -98,36 +94,35 @@ class Worker(GeventWorker):
 
     def timeout_ctx(self):
         # gunicorn times each wait for a request's head with this: a new connection's, or a kept-alive one's next
-        return self._head_wait(getattr(self._connection, "client", None))
+        return self._head_wait()
 
     @contextlib.contextmanager
-    def _head_wait(self, client):
+    def _head_wait(self):
         """A wait for a request's head, `header_timeout` long (DRAIN_HEADER_TIMEOUT while draining): its end ends
         the wait quietly, and gunicorn closes the connection. Listed in `_waiting` while it lasts."""
         draining = self.service is not None and self.service.draining
         with gevent.Timeout(min(self.header_timeout, DRAIN_HEADER_TIMEOUT) if draining else self.header_timeout,
                             False) as timeout:
-            if client is not None:
-                self._waiting[client] = (gevent.getcurrent(), timeout)
+            greenlet = gevent.getcurrent()
+            self._waiting[greenlet] = timeout
             try:
                 yield
             finally:
-                if client is not None:
-                    self._waiting.pop(client, None)
+                self._waiting.pop(greenlet, None)
 
     def _shorten_waits(self) -> None:
         """Draining: the waits for a request's head under way end within DRAIN_HEADER_TIMEOUT (each by its own
         timeout, thrown as gevent throws it when it runs out)."""
-        for client, (greenlet, timeout) in list(self._waiting.items()):
+        for greenlet, timeout in list(self._waiting.items()):
             if timeout.seconds > DRAIN_HEADER_TIMEOUT:
                 timeout.cancel()
                 timer = gevent.get_hub().loop.timer(DRAIN_HEADER_TIMEOUT)
                 self._timers.append(timer)
-                timer.start(self._end_wait, client, greenlet, timeout)
+                timer.start(self._end_wait, greenlet, timeout)
 
-    def _end_wait(self, client, greenlet, timeout) -> None:
+    def _end_wait(self, greenlet, timeout) -> None:
         """In the hub: end `greenlet`'s wait for a request's head if it is still the same wait."""
-        if self._waiting.get(client, (None, None))[1] is timeout:
+        if self._waiting.get(greenlet) is timeout:
             greenlet.throw(timeout)
 
     def handle_exit(self, sig, frame):

@@ -219,13 +219,17 @@ def use_color(stream=None, environ=None) -> bool:
 
 
 def render_sources(pieces: list[str], sources: list[str], color: bool) -> str:
-    """Tokens marked by source: ANSI colours, or `[d:text]`-style marks where colour is off."""
+    """Tokens marked by source: ANSI colours, or `[d:text]`-style marks where colour is off, one a token (`[d:]`
+    for a token with no text of its own: a special token, or the first bytes of a character a later one completes,
+    so that the marks count the stats line's tokens)."""
     out = []
     for piece, source in zip(pieces, sources):
         mark, code, _ = SOURCE_STYLES[source]
-        if not piece:
-            continue
-        out.append(f"\x1b[{code}m{piece}\x1b[0m" if color else f"[{mark}:{piece}]")
+        if color:
+            if piece:
+                out.append(f"\x1b[{code}m{piece}\x1b[0m")
+        else:
+            out.append(f"[{mark}:{piece}]")
     return "".join(out)
 
 

@@ -148,6 +148,18 @@ def test_verbose_marks_each_token_by_source(pair_args, capsys):
     assert "seed 7" in out
 
 
+def test_verbose_marks_count_the_stats_lines_tokens(pair_args, capsys):
+    """Found by an audit: a token with no text of its own (a special token the random target drew) had no mark,
+    so the marks fell one short of the stats line's count and of /predict's `tokens`."""
+    assert main(pair_args + ["-v", "--method", "all", "-M", "30", "--input", "abc abc abc", "-s", "42"]) == 0
+    out = capsys.readouterr().out
+    sections = SECTION.findall(out)
+    counts = [int(count) for count in re.findall(r"^(\d+) tokens \|", out, re.M)]
+    assert len(sections) == len(counts) >= 4
+    for (_, body), count in zip(sections, counts):
+        assert len(re.findall(r"\[[dlgrbt]:", body)) == count
+
+
 def test_verbose_baseline_tokens_are_marked_as_single_model(pair_args, capsys):
     assert main(pair_args + ["-v", "--method", "target", "-M", "4"]) == 0
     marked = capsys.readouterr().out.split(" ==\n", 1)[1].splitlines()[0]
@@ -283,6 +295,9 @@ def test_colour_only_on_a_terminal_without_no_color():
     coloured = render_sources(["a", "b", "c", "d"], ["draft", "resampled", "bonus", "lookup"], color=True)
     assert coloured == "\x1b[32ma\x1b[0m\x1b[34mb\x1b[0m\x1b[35mc\x1b[0m\x1b[36md\x1b[0m"
     assert render_sources(["a", "b"], ["target", "draft"], color=False) == "[t:a][d:b]"
+    # a token with no text of its own keeps its mark, empty; in colour there is nothing to colour
+    assert render_sources(["a", "", "b"], ["target", "bonus", "draft"], color=False) == "[t:a][b:][d:b]"
+    assert render_sources(["a", ""], ["draft", "bonus"], color=True) == "\x1b[32ma\x1b[0m"
 
 
 def test_token_pieces_add_up_to_the_text():

@@ -365,10 +365,17 @@ def test_greedy_logprobs_are_target_only_decodings(client):
             assert mine == pytest.approx(theirs, abs=1e-5)
 
 
+@pytest.mark.parametrize("as_ids", [False, True])
 @pytest.mark.parametrize("prompt, shown_as", [("<bos>hello", "<bos>hello"), ("hi<eos>there", "hi<eos>there")])
-def test_an_echoed_prompt_holding_a_special_tokens_text_has_offsets_into_it(client, prompt, shown_as):
+def test_an_echoed_prompt_holding_a_special_tokens_text_has_offsets_into_it(client, prompt, shown_as, as_ids):
     """Found by an audit: the prompt's offsets skipped special tokens' text (`<bos>hello` gave 0, 0, 1, ...) while
-    the echoed text holds it as sent; each offset is now where its token's text starts in the echoed prompt."""
+    the echoed text holds it as sent; each offset is now where its token's text starts in the echoed prompt. Sent
+    as token ids (lm-evaluation-harness's way), the prompt echoes as /detokenize gives those ids back, special
+    tokens' text kept, as its logprobs' tokens show them (found by a later audit: it echoed `hello`, with the
+    offsets of `<bos>` and `h` both 0)."""
+    if as_ids:
+        prompt = client.post("/tokenize", json={"prompt": prompt}).get_json()["tokens"]
+        assert client.post("/detokenize", json={"tokens": prompt}).get_json()["prompt"] == shown_as
     for stream in (False, True):
         response = complete(client, prompt=prompt, echo=True, logprobs=0, max_tokens=2, temperature=0, stream=stream)
         if stream:

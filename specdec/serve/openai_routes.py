@@ -108,7 +108,8 @@ def completions():
     else:
         prompt_ids = [svc.check_token_ids(prompt, "prompt") if isinstance(prompt, list)
                       else svc.encode(prompt, field_name="prompt") for prompt in prompts]
-    echoes = [prompt if isinstance(prompt, str) else svc.decode(prompt) for prompt in prompts] if req.echo else None
+    # a token-id prompt echoes as /detokenize gives it: its special tokens' text kept, as its logprobs' tokens show
+    echoes = [prompt if isinstance(prompt, str) else svc.detokenize(prompt) for prompt in prompts] if req.echo else None
     return answer(svc, req, prompt_ids, sampling, "prompt", chat=False, echoes=echoes, grammar=grammar)
 
 

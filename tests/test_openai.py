@@ -617,6 +617,15 @@ REFUSED = [  # (route, field values, param, code)
     ("completions", {"n": True}, "n", "invalid_value"),
     ("chat", {"modalities": ["audio"]}, "modalities", "unknown_parameter"),
     ("completions", {"max_new_tokens": 5}, "max_new_tokens", "unknown_parameter"),
+    # found by a fuzzing audit: a key not in lower snake_case (a JavaScript client's), or a type's name, was named
+    # None, and one nested in a known field named its parent
+    ("completions", {"maxTokens": 5}, "maxTokens", "unknown_parameter"),
+    ("chat", {"Temperature": 0.5}, "Temperature", "unknown_parameter"),
+    ("completions", {"str": 1}, "str", "unknown_parameter"),
+    ("completions", {"stream": True, "stream_options": {"includeUsage": True}}, "stream_options.includeUsage",
+     "unknown_parameter"),
+    ("chat", {"tools": [{"type": "function", "function": {"name": "f", "Parameters": {}}}]},
+     "tools[0].function.Parameters", "unknown_parameter"),
     ("chat", {"messages": [{"role": "user", "content": "hi", "nickname": "bob"}]}, "messages[0].nickname",
      "unknown_parameter"),
     ("chat", {"messages": [{"role": "user", "content": "hi", "name": 7}]}, "messages[0].name", "invalid_value"),

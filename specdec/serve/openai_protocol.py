@@ -568,9 +568,12 @@ def parse(model: type[BaseModel], body: dict) -> BaseModel:
 
 
 def _invalid(error: dict) -> ApiError:
-    loc = [part for part in error["loc"] if isinstance(part, int) or FIELD_NAME.fullmatch(part)]  # no union tags
+    kind, loc = error["type"], list(error["loc"])
+    # an unknown key ends its location as the client spelled it (maxTokens, Temperature, str); before it, and in
+    # any other error's location, pydantic's union tags are left out
+    named = loc.pop() if kind == "extra_forbidden" and loc else None
+    loc = [part for part in loc if isinstance(part, int) or FIELD_NAME.fullmatch(part)] + ([named] if named else [])
     param = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".") or None
-    kind = error["type"]
     if kind == "extra_forbidden":
         return ApiError(400, "unknown_parameter", f"unrecognized request argument {param!r}: this server does not "
                                                   f"support it", param)

@@ -15,8 +15,13 @@ The direct decode takes the very SamplingParams the service built for the same r
 warm-up); which of the two runs first alternates between repeats. Medians over `--repeats` pairs, after one
 warm-up round. Greedy, gamma 4, EOS ignored, no prompt cache.
 
+With `--stages`, each JSON request is also timed stage by stage, from the client's clock and stamps taken in the
+service (perf_counter: CLOCK_MONOTONIC, one clock for both processes): where the time outside the engine goes
+(STAGES). The stamps wrap a few of the service's own functions for the run; they cost microseconds.
+
     python -m bench.one_process                       # the tests' tiny pair, compiled
     python -m bench.one_process --compile false --methods target,google --repeats 15
+    python -m bench.one_process --methods target --stages
 """
 
 from gevent import monkey
@@ -28,6 +33,7 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -42,11 +48,25 @@ for line in sys.stdin:
     connection.request("POST", "/predict", body=body.encode(), headers={"Content-Type": "application/json"})
     response = connection.getresponse()
     data = response.read()
-    seconds = time.perf_counter() - started
+    ended = time.perf_counter()
     connection.close()
     answer = json.loads(data.split(b"data: ")[-1] if kind == "sse" else data)
-    print(json.dumps({"status": response.status, "seconds": seconds, "answer": answer}), flush=True)
+    print(json.dumps({"status": response.status, "seconds": ended - started, "answer": answer,
+                      "stamps": {"sent": started, "received": ended}}), flush=True)
 """
+
+# --stages: a JSON request's stages, each between two stamps (the client's "sent" and "received", the service's
+# from STAMPED's wrappers)
+STAGES = (("HTTP in: connect, send, accept, the head parsed", "sent", "app"),
+          ("Flask and its hooks, up to the route's body read", "app", "read"),
+          ("body read, parsed and checked (pydantic)", "read", "encode"),
+          ("prompt tokenized", "encode", "encoded"),
+          ("engine set-up: queue slot, stream's checks, Generation", "encoded", "run"),
+          ("hand-off to the engine thread", "run", "engine"),
+          ("engine: decode, then detokenize", "engine", "engine_end"),
+          ("hand-back to the request's greenlet", "engine_end", "ran"),
+          ("JSON answer, metrics, log line (Flask's)", "ran", "app_end"),
+          ("HTTP out: the answer written and read", "app_end", "received"))
 
 
 def main(argv=None) -> int:
@@ -63,6 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--stream-interval", type=float, default=None)
     parser.add_argument("--stop", default=None, help="a stop string sent with every request (one that never occurs "
                                                     "measures checking it every round)")
+    parser.add_argument("--stages", action="store_true", help="also time each JSON request stage by stage")
     parser.add_argument("--out", default=None, help="a folder for results.json and results.md")
     args = parser.parse_args(argv)
     if unknown := set(args.methods) - set(METHODS):
@@ -85,7 +106,7 @@ def main(argv=None) -> int:
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(),
               "pair": args.pair, "compile": args.compile, "tokens": args.tokens, "repeats": args.repeats,
               "stop": args.stop,
-              "results": results}
+              "results": results.pop("ratios"), "stages": results.pop("stages")}
     table = markdown(report)
     if args.out:
         out = Path(args.out)
@@ -131,6 +152,8 @@ def measure(args, draft_dir: str, target_dir: str, methods: dict, prompt: str) -
 
     current = {}
     service.decoder.stream = recorded
+    stamps = stamped(app) if args.stages else None
+    staged: dict[str, list[dict]] = {}
 
     def direct(method: str) -> float:  # the request's very decode: its parameters, the service's end tokens
         params = requested.get(method) or SamplingParams(max_new_tokens=args.tokens, gamma=4, temperature=0.0,
@@ -144,25 +167,69 @@ def measure(args, draft_dir: str, target_dir: str, methods: dict, prompt: str) -
         body = {"prompt": prompt, "max_new_tokens": args.tokens, "gamma": 4, "temperature": 0, "seed": 0,
                 "ignore_eos": True, "cache_prompt": False, "stream": kind == "sse", **methods[method],
                 **({"stop": [args.stop]} if args.stop else {})}
-        return post(client, kind, body)
+        if stamps is not None:
+            stamps.clear()
+        wall, engine, sent = post(client, kind, body)
+        if stamps is not None and kind == "json":
+            staged.setdefault(method, []).append(sent | stamps)
+        return wall, engine
 
     try:
-        return paired_ratios(args.repeats, args.methods, args.tokens, direct, request)
+        ratios = paired_ratios(args.repeats, args.methods, args.tokens, direct, request)
+        return {"ratios": ratios, "stages": {method: stage_medians(runs[1:]) for method, runs in staged.items()}
+                if stamps is not None else None}
     finally:
         client.stdin.close()
         client.wait()
         server.stop()
 
 
-def post(client, kind: str, body: dict) -> tuple[float, float]:
+def post(client, kind: str, body: dict) -> tuple[float, float, dict]:
     """One `POST /predict` ("json" or "sse") timed by the CLIENT process: (its wall seconds, the engine's own
-    seconds from the answer's stats)."""
+    seconds from the answer's stats, the client's stamps)."""
     client.stdin.write(f"{kind} {json.dumps(body)}\n")
     client.stdin.flush()
     reply = json.loads(client.stdout.readline())
     if reply["status"] != 200:
         raise RuntimeError(f"POST /predict answered {reply['status']}: {reply['answer']}")
-    return reply["seconds"], reply["answer"]["stats"]["total_seconds"]
+    return reply["seconds"], reply["answer"]["stats"]["total_seconds"], reply["stamps"]
+
+
+def stamped(app) -> dict:
+    """Wrap the service's functions that bound STAGES so that each call stamps its entry and exit (perf_counter)
+    into the dict returned, the latest request's (clear it before each)."""
+    from specdec.serve import routes
+    from specdec.serve.generation import Generation
+    from specdec.serve.service import Service
+
+    stamps: dict[str, float] = {}
+
+    def wrap(owner, name: str, entry: str, leaving: str | None = None) -> None:
+        function = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            stamps[entry] = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if leaving is not None:
+                    stamps[leaving] = time.perf_counter()
+
+        setattr(owner, name, wrapper)
+
+    wrap(app, "wsgi_app", "app", "app_end")  # an instance attribute: this app's alone
+    wrap(routes, "read_json_object", "read")  # as the route calls it (imported by name there)
+    wrap(Service, "encode", "encode", "encoded")
+    wrap(Generation, "run", "run", "ran")
+    wrap(Generation, "_decode_all", "engine", "engine_end")
+    return stamps
+
+
+def stage_medians(runs: list[dict]) -> dict:
+    """Each stage's median milliseconds over the runs (each a request's stamps), and the whole request's."""
+    medians = {label: 1e3 * statistics.median(run[end] - run[start] for run in runs) for label, start, end in STAGES}
+    return medians | {"whole request": 1e3 * statistics.median(run["received"] - run["sent"] for run in runs),
+                      "requests": len(runs)}
 
 
 def paired_ratios(repeats: int, methods: list[str], tokens: int, direct, request) -> dict:
@@ -196,6 +263,12 @@ def markdown(report: dict) -> str:
         method, kind = key.split("/")
         lines.append(f"| {method} | {kind.upper()} | {row['direct_tokens_per_second']:.0f} | {row['vs_direct']:.3f}x "
                      f"| {row['engine_vs_direct']:.3f}x | {row['ms_outside_engine']:.1f} | {row['pairs']} |")
+    if report.get("stages"):
+        methods = list(report["stages"])
+        lines += ["", "A JSON request's stages, median ms (the stages' medians need not add up to the whole's):", "",
+                  "| stage | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+        for label in [label for label, _, _ in STAGES] + ["whole request"]:
+            lines.append(f"| {label} | " + " | ".join(f"{report['stages'][m][label]:.3f}" for m in methods) + " |")
     return "\n".join(lines) + "\n"
 
 

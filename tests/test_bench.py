@@ -974,7 +974,7 @@ def test_one_process_benchmark_pairs_the_service_with_the_same_decode_run_direct
     """bench/one_process.py (gevent-patched, so in its own process): each method's JSON and SSE requests paired
     with the same decode run directly on the service's engine thread, with the request's own parameters."""
     done = subprocess.run([sys.executable, "-m", "bench.one_process", "--compile", "false", "--tokens", "8",
-                           "--repeats", "2", "--methods", "target,google", "--out", str(tmp_path)],
+                           "--repeats", "2", "--methods", "target,google", "--stages", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "results.json").read_text())
@@ -983,6 +983,17 @@ def test_one_process_benchmark_pairs_the_service_with_the_same_decode_run_direct
         assert row["pairs"] == 2 and 0 < row["vs_direct"] < 2 and 0 < row["engine_vs_direct"] < 2
         assert row["direct_tokens_per_second"] > 0 and row["ms_outside_engine"] > 0
     assert "| target | SSE |" in (tmp_path / "results.md").read_text()
+    # --stages: each JSON request's stages, in order, from the client's clock and the service's stamps (every one
+    # stamped: a wrapper that no longer sees its function called leaves a stage missing, and the run fails)
+    from bench.one_process import STAGES
+
+    assert set(report["stages"]) == {"target", "google"}
+    for stages in report["stages"].values():
+        assert stages["requests"] == 2
+        assert all(stages[label] > 0 for label, _, _ in STAGES)
+        assert stages["engine: decode, then detokenize"] < stages["whole request"]
+        assert sum(stages[label] for label, _, _ in STAGES) == pytest.approx(stages["whole request"], rel=0.5)
+    assert "| hand-off to the engine thread |" in (tmp_path / "results.md").read_text()
 
 
 def test_split_benchmark_smoke_on_tiny_pair(tmp_path):

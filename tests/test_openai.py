@@ -109,6 +109,25 @@ def test_completion_answer(client):
     assert 1 <= stats["mean_acceptance_length"] <= 4
 
 
+def test_the_fingerprint_is_the_served_pairs_and_settings_not_the_starts(service):
+    """Found by an audit: system_fingerprint hashed the load's seconds and memory, so every restart (and every
+    replica) looked like another backend to a client that pairs it with `seed`. It is now the same for the same
+    pair and settings, and another for a setting that changes the model or the decoding defaults."""
+    from specdec.serve.openai_protocol import fingerprint
+
+    info, settings = dict(service.models.info), service.settings
+    assert {"load_seconds", "resident_memory_bytes"} <= set(info)
+    restarted = info | {"load_seconds": info["load_seconds"] + 1.5, "resident_memory_bytes": 1,
+                        "peak_resident_memory_bytes": 2}
+    assert fingerprint(restarted, settings) == fingerprint(info, settings)
+    same = settings.model_copy(update={"port": settings.port + 1, "log_level": "debug", "queue_size": 9})
+    assert fingerprint(info, same) == fingerprint(info, settings)
+    for changed in ({"quantize": "int4"}, {"weights": "float"}, {"temperature": 0.3}, {"gamma": 2},
+                    {"draft_model": "another/draft"}, {"lookup_max_ngram": 2}):
+        assert fingerprint(info, settings.model_copy(update=changed)) != fingerprint(info, settings), changed
+    assert fingerprint(info | {"models": {"target": "another", "draft": "pair"}}, settings) != fingerprint(info, settings)
+
+
 def test_chat_answer_goes_through_the_chat_template(client, service):
     parts = [{"role": "system", "content": [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]},
              MESSAGES[1]]

@@ -831,9 +831,20 @@ def openai_error(error: ApiError) -> tuple[dict, int]:
     return body.model_dump(), status
 
 
+# what an answer depends on: the pair as loaded (ModelHost.info: not its load's seconds and memory, which differ on
+# every start) and the settings that choose and shape it, with the decoding defaults
+FINGERPRINTED_INFO = ("models", "device", "dtype", "context_length", "prompt_cache_bytes")
+FINGERPRINTED_SETTINGS = ("target_model", "draft_model", "device_map", "draft_quantization", "compile", "weights",
+                          "quantize", "draft_vocab_size", "lookup_max_ngram", "lookup_max_tokens", "lookup_min_match",
+                          "hybrid_min_match", "hybrid_extend")
+
+
 def fingerprint(info: dict, settings: Settings) -> str:
-    """system_fingerprint: a digest of the served pair and the decoding defaults."""
-    served = {"info": info, "sampling": asdict(settings.sampling)}
+    """system_fingerprint: a digest of the served pair and the decoding defaults, the same on every start with the
+    same ones (a restart or another replica is the same backend)."""
+    served = {"info": {key: info.get(key) for key in FINGERPRINTED_INFO},
+              "settings": {name: getattr(settings, name) for name in FINGERPRINTED_SETTINGS},
+              "sampling": asdict(settings.sampling)}
     return "fp_" + hashlib.sha256(json.dumps(served, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 

@@ -494,6 +494,22 @@ def test_a_model_that_cannot_load_stops_the_server(tmp_path, tiny_pair_dirs):
     assert "model loading failed: the target model" in server.log()
 
 
+def test_the_worker_freezes_the_loaded_heap_before_it_serves(server):
+    """A collection of the oldest generation walked the whole heap (the models, torch's modules: some 600,000
+    objects with the tiny pair) and stopped the worker for about 0.3 s, engine thread and connections alike; the
+    worker freezes what loading left (gc.freeze, as vLLM does) before the pair is served, so that one walks only
+    what came after. Not in a test's own process (loader.ModelHost.freezes_heap)."""
+    from specdec.serve.loader import ModelHost
+
+    found = re.search(r"start-up: froze the loaded heap \(gc.freeze\) in [\d.]+ s \((\d+) objects; a full collection "
+                      r"took ([\d.]+) ms before, ([\d.]+) ms after\)", server.log())
+    assert found, server.log()[-3000:]
+    frozen, before, after = int(found[1]), float(found[2]), float(found[3])
+    assert frozen > 10_000 and after < before / 10
+    assert server.log().index("froze the loaded heap") < server.log().index("models ready in")
+    assert not ModelHost.freezes_heap  # this process (the test's) makes many apps: nothing is frozen here
+
+
 def test_the_compiled_path_under_gunicorn(tmp_path, tiny_pair_dirs):
     """Compiling runs the C++ compiler from the engine thread, under gevent: both models compile before /readyz
     says 200, and greedy speculative answers equal target-only ones, JSON and SSE."""

@@ -60,6 +60,9 @@ class Worker(GeventWorker):
         self.worker_connections = descriptors_for(self.worker_connections)
         ready_cpu_kernel()  # before gevent patches subprocess
         util.write_error = write_json_error  # in this worker process: what gunicorn's handle_error writes with
+        from .loader import ModelHost
+
+        ModelHost.freezes_heap = True  # this process serves one app until it exits (loader.freeze_heap)
         super().init_process()  # patches, loads the app (the models start loading on the engine thread), runs
 
     def patch(self):

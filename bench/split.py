@@ -248,7 +248,8 @@ def measure(args, draft_dir: str, target_dir: str, methods: list[str], prompt: s
         return receive(front_end)["seconds"]
 
     def request(method: str, kind: str) -> tuple[float, float]:
-        return post(client, kind, {"prompt": prompt, "method": method, "stream": kind == "sse"})
+        wall, engine, _ = post(client, kind, {"prompt": prompt, "method": method, "stream": kind == "sse"})
+        return wall, engine
 
     try:
         return paired_ratios(args.repeats, methods, args.tokens, direct, request)

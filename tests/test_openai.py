@@ -197,6 +197,51 @@ def test_max_tokens_left_out_fits_the_context(client):
     assert body["usage"]["completion_tokens"] >= 1
 
 
+def test_a_suffix_no_limit_could_hold_is_refused_before_it_is_tokenized(client, service, monkeypatch):
+    """Found by an audit of costly valid requests: a fill-in-the-middle request's megabyte of suffix was tokenized
+    before it was refused, though a text prompt that long is refused at once (more characters than the limit's
+    tokens can spell). The suffix and the prompt now count; nothing is tokenized."""
+    from specdec.serve import service as service_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("tokenized")
+
+    monkeypatch.setattr(service_module, "encode_infill", never)
+    longest = service.models.longest_token * service.settings.max_prompt_tokens
+    for prompt, suffix in (("def f(", "x" * (longest + 1)), ("y" * longest, "}")):
+        error = assert_openai_error(complete(client, prompt=prompt, suffix=suffix), 400, "context_length_exceeded",
+                                    "prompt")
+        assert "characters" in error["message"]
+
+
+def test_the_json_answer_is_jsonifys_bytes_encoded_a_choice_at_a_time(client, app):
+    """service.json_answer (a /v1 answer's choices encoded one at a time, the event loop run between them): the
+    very bytes Flask's jsonify makes of the same answer, with several choices, logprobs and echo, and /predict's."""
+    from flask import jsonify
+
+    answers = [complete(client, prompt=["ab", "cd"], n=2, max_tokens=6, seed=2, logprobs=2, echo=True),
+               chat(client, n=3, max_tokens=5, seed=1, logprobs=True, top_logprobs=2),
+               client.post("/predict", json={"prompt": "é\u2028x", "max_new_tokens": 5, "details": True})]
+    with app.app_context():
+        for response in answers:
+            assert response.status_code == 200 and response.mimetype == "application/json"
+            assert response.get_data() == jsonify(response.get_json()).get_data()
+
+
+def test_each_tokens_text_and_bytes_are_found_once(service, monkeypatch):
+    """Found by the same audit: logprobs decoded every token alone, 21 a position, so an echoed prompt's scores
+    (16 prompts of 4,000 tokens, 20 alternatives) held the event loop for 12 s; each id is decoded once."""
+    calls = []
+    decode = service.tokenizer.decode
+    monkeypatch.setattr(service.tokenizer, "decode", lambda ids, **kwargs: calls.append(ids) or decode(ids, **kwargs))
+    service._token_texts.clear()
+    service._token_bytes.clear()
+    assert [service.token_text(i) for i in (5, 6, 5, 5, 6)] == [decode([i], skip_special_tokens=False) for i in
+                                                                 (5, 6, 5, 5, 6)]
+    assert calls == [[5], [6]]
+    assert service.token_bytes(7) == service.token_bytes(7) and list(service._token_bytes) == [7]
+
+
 def test_prompt_over_the_context_is_context_length_exceeded(client):
     error = assert_openai_error(complete(client, prompt="a" * 250, max_tokens=10), 400, "context_length_exceeded",
                                 "prompt")

@@ -382,3 +382,25 @@ def test_the_documented_example_bodies(server):
     status, text = curl(server.url + "/v1/models", "")
     assert status == 405  # curl -d makes it a POST; the list is a GET
     assert json.loads(requests.get(server.url + "/v1/models", timeout=10).text)["data"][0]["id"] == "target"
+
+
+def test_a_megabyte_to_tokenize_leaves_the_event_loop_answering(server):
+    """Found by an audit of costly valid requests: /tokenize (which takes no engine slot) tokenized a megabyte of
+    text on the event loop, holding /healthz (and every connection) for 2 s. A large text is tokenized on a thread
+    (concurrency.off_loop), the loop answering meanwhile, within issue 16's 1 s."""
+    text = ("abc def " * 131_000)[:1_040_000]  # under max_body_bytes, with the JSON around it
+    answer, latencies = {}, []
+
+    def tokenize():
+        answer["response"] = requests.post(server.url + "/tokenize", json={"prompt": text}, timeout=120)
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    while worker.is_alive():
+        started = time.perf_counter()
+        assert requests.get(server.url + "/healthz", timeout=30).status_code == 200
+        latencies.append(time.perf_counter() - started)
+        time.sleep(0.05)
+    worker.join()
+    assert answer["response"].status_code == 200 and answer["response"].json()["count"] >= len(text) // 8
+    assert len(latencies) >= 3 and max(latencies) < 1.0, latencies

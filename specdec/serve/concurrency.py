@@ -297,6 +297,29 @@ def _event_loop_turn() -> Callable[[], None] | None:
     return lambda: gevent.sleep(0)
 
 
+def off_loop(fn: Callable[[], object]):
+    """fn() on a thread of gevent's pool under gevent, the calling greenlet waiting for it cooperatively (the loop
+    runs meanwhile: the Rust tokenizer lets go of the GIL, Python gives it up every switch interval); elsewhere fn()
+    here. Its result, or its exception raised here."""
+    if not gevent_patched():
+        return fn()
+    import gevent
+
+    ok, value = gevent.get_hub().threadpool.apply(_captured, (fn, ()))
+    if not ok:
+        raise value
+    return value
+
+
+def yield_to_loop() -> None:
+    """On a request's greenlet under gevent: let the event loop run what is ready (other connections, /healthz)
+    before going on; elsewhere nothing. For long stretches of Python there, as a large answer's rendering."""
+    if gevent_patched():
+        import gevent
+
+        gevent.sleep(0)
+
+
 def _captured(fn: Callable, args: tuple) -> tuple[bool, object]:
     """(True, result) or (False, exception): an exception crosses back to the caller as a value, so the engine
     thread never reports it on its own."""

@@ -15,6 +15,7 @@ from flask import Blueprint, current_app, g, request
 from ..errors import SpecDecError
 from ..params import choice_seed
 from ..text import token_pieces
+from .concurrency import yield_to_loop
 from .errors import ApiError, to_api_error
 from .generation import Generation, sse, text_template
 from .openai_protocol import (
@@ -374,6 +375,7 @@ class Reply:
             else:
                 answers.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason,
                                                 speculative_decoding_stats=stats))
+            yield_to_loop()  # a choice's logprobs may take a tenth of a second: the loop runs between choices
         kind = ChatCompletion if self.chat else Completion
         return kind(**self._header(), choices=answers, usage=usage).model_dump()
 

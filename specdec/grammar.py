@@ -137,11 +137,18 @@ class CompiledGrammar:
 
     def start(self, eos: set[int]) -> "GrammarState":
         """A request's state at the grammar's start; `eos`: the ids that end its generation."""
-        return GrammarState(self._matcher.deep_copy(), self.vocab_size, eos, self.eos, self.width, self.specials,
+        matcher = self._matcher
+        if matcher is None:  # failed since the compiler gave it out (GrammarCompiler.compile compiles it again)
+            raise SpecDecError(f"the {self.constraint.kind} went beyond the grammar engine's limits while decoding "
+                               f"another request; send it again", field=self.constraint.field)
+        return GrammarState(matcher.deep_copy(), self.vocab_size, eos, self.eos, self.width, self.specials,
                             constraint=self.constraint, on_error=self._fail)
 
     def _fail(self) -> None:
+        """A state of it failed: its lexer, shared with the pristine matcher and in an error state, is let go (it
+        held some 90 MB for `a{999990}`, kept as long as the cache kept the entry; found by a soak audit)."""
         self.failed = True
+        self._matcher = None
 
 
 class GrammarCompiler:

@@ -170,6 +170,25 @@ def test_a_grammar_beyond_the_limits_while_decoding_fails_naming_its_field(tiny,
     assert compiler.compile(Constraint("regex", "a{3}")).start(set()).allowed().sum() == 1  # the others are fine
 
 
+def test_a_failed_grammar_lets_its_lexer_go_at_once(tiny):
+    """Found by a soak audit: a grammar that failed while decoding kept its pristine matcher, and with it the
+    lexer in its error state (some 90 MB for `a{999990}`), as long as the cache kept the entry: 64 such regexes
+    could hold gigabytes. The matcher goes with the failure; a request given the entry before it failed is
+    refused naming the field, and the compiler compiles it again for the next."""
+    decoder, tokenizer, compiler = tiny
+    prompt = tokenizer.encode("pick:", add_special_tokens=False)
+    constraint = Constraint("regex", "a{999990}", field="structured_outputs.regex")
+    compiled = compiler.compile(constraint)
+    with pytest.raises(SpecDecError, match="beyond the grammar engine's limits"):
+        decoder.generate(prompt, params=SamplingParams(max_new_tokens=4, seed=0), grammar=compiled)
+    assert compiled.failed and compiled._matcher is None
+    with pytest.raises(SpecDecError, match="another request") as error:
+        compiled.start(set())
+    assert error.value.field == "structured_outputs.regex"
+    again = compiler.compile(constraint)
+    assert again is not compiled and again._matcher is not None
+
+
 @pytest.mark.parametrize("method", ["target", "google"])
 @pytest.mark.parametrize("constraint, made", [(Constraint("regex", "ab\tc", field="structured_outputs.regex"), 2),
                                               (Constraint.choice(["tab\there"]), 3), (Constraint.choice(["é"]), 0)])

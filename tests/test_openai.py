@@ -214,14 +214,15 @@ def test_a_suffix_no_limit_could_hold_is_refused_before_it_is_tokenized(client, 
         assert "characters" in error["message"]
 
 
-def test_the_json_answer_is_jsonifys_bytes_encoded_a_choice_at_a_time(client, app):
-    """service.json_answer (a /v1 answer's choices encoded one at a time, the event loop run between them): the
-    very bytes Flask's jsonify makes of the same answer, with several choices, logprobs and echo, and /predict's."""
+def test_an_answer_made_off_the_event_loop_is_jsonifys_bytes(client, app):
+    """An answer with logprobs is made off the event loop (Service.respond's `large`): the very bytes Flask's
+    jsonify makes of the same answer, with several choices, logprobs and echo, and /predict's."""
     from flask import jsonify
 
     answers = [complete(client, prompt=["ab", "cd"], n=2, max_tokens=6, seed=2, logprobs=2, echo=True),
                chat(client, n=3, max_tokens=5, seed=1, logprobs=True, top_logprobs=2),
-               client.post("/predict", json={"prompt": "é\u2028x", "max_new_tokens": 5, "details": True})]
+               client.post("/predict", json={"prompt": "é\u2028x", "max_new_tokens": 5, "details": True,
+                                             "logprobs": 2})]
     with app.app_context():
         for response in answers:
             assert response.status_code == 200 and response.mimetype == "application/json"

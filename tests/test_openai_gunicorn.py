@@ -404,3 +404,27 @@ def test_a_megabyte_to_tokenize_leaves_the_event_loop_answering(server):
     worker.join()
     assert answer["response"].status_code == 200 and answer["response"].json()["count"] >= len(text) // 8
     assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
+
+
+def test_an_answer_with_logprobs_is_made_off_the_event_loop(server):
+    """Found by the same audit: an answer's logprobs (21 tokens a position, an echoed prompt's included) were made
+    and encoded on the event loop: 16 echoed prompts of 4,000 tokens held /healthz for 12 s. Here 16 prompts of
+    250 tokens (the tiny pair's context), which held it for most of a second."""
+    prompts = ["".join(chr(97 + (i * 7 + j * 3) % 26) for j in range(250)) for i in range(16)]
+    body = {"model": "target", "prompt": prompts, "max_tokens": 1, "echo": True, "logprobs": 20, "temperature": 0}
+    answer, latencies = {}, []
+
+    def complete():
+        answer["response"] = requests.post(server.url + "/v1/completions", json=body, timeout=300)
+
+    worker = threading.Thread(target=complete)
+    worker.start()
+    while worker.is_alive():
+        started = time.perf_counter()
+        assert requests.get(server.url + "/healthz", timeout=30).status_code == 200
+        latencies.append(time.perf_counter() - started)
+        time.sleep(0.02)
+    worker.join()
+    choices = answer["response"].json()["choices"]
+    assert len(choices) == 16 and all(len(choice["logprobs"]["tokens"]) >= 251 for choice in choices)
+    assert max(latencies) < 0.4, sorted(latencies)[-5:]

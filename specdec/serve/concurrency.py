@@ -311,15 +311,6 @@ def off_loop(fn: Callable[[], object]):
     return value
 
 
-def yield_to_loop() -> None:
-    """On a request's greenlet under gevent: let the event loop run what is ready (other connections, /healthz)
-    before going on; elsewhere nothing. For long stretches of Python there, as a large answer's rendering."""
-    if gevent_patched():
-        import gevent
-
-        gevent.sleep(0)
-
-
 def _captured(fn: Callable, args: tuple) -> tuple[bool, object]:
     """(True, result) or (False, exception): an exception crosses back to the caller as a value, so the engine
     thread never reports it on its own."""

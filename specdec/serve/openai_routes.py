@@ -15,7 +15,6 @@ from flask import Blueprint, current_app, g, request
 from ..errors import SpecDecError
 from ..params import choice_seed
 from ..text import token_pieces
-from .concurrency import yield_to_loop
 from .errors import ApiError, to_api_error
 from .generation import Generation, sse, text_template
 from .openai_protocol import (
@@ -168,7 +167,7 @@ def answer(svc, req, prompts: list[list[int]], sampling, prompt_field: str, chat
                   model=served_model(svc), fingerprint=fingerprint(svc.models.info, svc.settings),
                   include_usage=req.include_usage, logprobs=sampling.logprobs is not None,
                   tools=chat and req.calls_tools, only_calls=chat and req.only_calls)
-    return svc.respond(choices, bool(req.stream), events=reply.events, body=reply.body)
+    return svc.respond(choices, bool(req.stream), events=reply.events, body=reply.body, large=reply.logprobs)
 
 
 def room(svc, prompt_ids: list[int], max_tokens: int, requested: bool, max_field: str, prompt_field: str) -> int:
@@ -375,7 +374,6 @@ class Reply:
             else:
                 answers.append(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason,
                                                 speculative_decoding_stats=stats))
-            yield_to_loop()  # a choice's logprobs may take a tenth of a second: the loop runs between choices
         kind = ChatCompletion if self.chat else Completion
         return kind(**self._header(), choices=answers, usage=usage).model_dump()
 

@@ -47,4 +47,4 @@ def predict():
     prompt_ids = svc.encode(params.prompt, chat=params.chat, max_new_tokens=params.sampling.max_new_tokens)
     generation = svc.generation(prompt_ids, params.sampling, g.record, params.stop, params.details,
                                 grammar=grammar)
-    return svc.respond(generation, params.stream)
+    return svc.respond(generation, params.stream, large=params.sampling.logprobs is not None)

@@ -11,14 +11,14 @@ import secrets
 import time
 from dataclasses import dataclass, field
 
-from flask import Response, current_app, has_request_context, request
+from flask import Response, current_app, has_request_context, jsonify, request
 
 from ..errors import SpecDecError
 from ..grammar import CompiledGrammar, Constraint
 from ..params import SamplingParams
 from ..text import encode_infill, encode_messages, encode_prompt, token_bytes
 from ..threads import os_lock
-from .concurrency import EngineThread, client_gone, off_loop, watch_disconnect, yield_to_loop
+from .concurrency import EngineThread, client_gone, off_loop, watch_disconnect
 from .config import Settings
 from .errors import ApiError
 from .generation import Generation
@@ -317,8 +317,11 @@ class Service:
         record.generations.append(generation)
         return generation
 
-    def respond(self, generation: Generation, stream: bool, events=None, body=None) -> Response:
-        """Run a generation to its JSON answer (`body(generation)`), or answer with its Server-Sent Events."""
+    def respond(self, generation: Generation, stream: bool, events=None, body=None, large: bool = False) -> Response:
+        """Run a generation to its JSON answer (`body(generation)`), or answer with its Server-Sent Events. `large`
+        (logprobs asked for: up to 21 tokens a position, an echoed prompt's included): the JSON answer is made off
+        the event loop (concurrency.off_loop): 16 echoed prompts of 4,000 tokens with 20 alternatives, 34 MB of
+        JSON, held it (and /healthz) for 12 s (found by an audit)."""
         if stream:
             # A client that stops reading would block a write, and hold the engine, for ever: under gunicorn, no
             # write of this stream may block longer than the time budget (gunicorn resets it for the next request).
@@ -332,7 +335,12 @@ class Service:
                 generation.run()
         finally:
             generation.close()
-        return json_answer((body or Generation.body)(generation))
+        render = body or Generation.body
+        if not large:
+            return jsonify(render(generation))
+        provider = current_app.json
+        text = off_loop(lambda: json_text(render(generation), provider))
+        return current_app.response_class(text, mimetype=provider.mimetype)
 
     def finish(self, record: RequestRecord) -> None:
         """End of a request (for a stream: when the server closes it): release, count, log one line."""
@@ -375,26 +383,16 @@ def _text_size(value, limit: int = LARGE_TEXT) -> int:
     return size
 
 
-def json_answer(body: dict) -> Response:
-    """`jsonify(body)`, the same bytes, with a list of several items (a /v1 answer's choices) encoded an item at a
-    time and the event loop run between them: 16 choices of 4,000 prompt tokens with 20 logprobs each make 34 MB
-    of JSON, which held the loop (and /healthz) for 1.8 s in one piece (found by an audit)."""
-    provider = current_app.json
-
+def json_text(body: dict, provider) -> str:
+    """jsonify's bytes of `body` (Flask's JSON `provider`, compact as outside debug, and a newline), a list of
+    several items (a /v1 answer's choices) encoded an item at a time: the C encoder holds the GIL for the whole of
+    what it is given, and 34 MB of choices in one call held the event loop's thread 1.8 s."""
     def dumps(value) -> str:
-        return provider.dumps(value, separators=(",", ":"))  # Flask's own, as jsonify outside debug
+        if isinstance(value, list) and len(value) > 1:
+            return "[" + ",".join(dumps(item) for item in value) + "]"
+        return provider.dumps(value, separators=(",", ":"))
 
-    def encoded(value) -> str:
-        if not (isinstance(value, list) and len(value) > 1):
-            return dumps(value)
-        items = []
-        for item in value:
-            items.append(dumps(item))
-            yield_to_loop()
-        return "[" + ",".join(items) + "]"
-
-    text = "{" + ",".join(f"{dumps(key)}:{encoded(value)}" for key, value in body.items()) + "}\n"
-    return current_app.response_class(text, mimetype=provider.mimetype)
+    return "{" + ",".join(f"{dumps(key)}:{dumps(value)}" for key, value in body.items()) + "}\n"
 
 
 class _Borrowed:

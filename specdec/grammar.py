@@ -144,11 +144,14 @@ class CompiledGrammar:
         return GrammarState(matcher.deep_copy(), self.vocab_size, eos, self.eos, self.width, self.specials,
                             constraint=self.constraint, on_error=self._fail)
 
-    def _fail(self) -> None:
-        """A state of it failed: its lexer, shared with the pristine matcher and in an error state, is let go (it
-        held some 90 MB for `a{999990}`, kept as long as the cache kept the entry; found by a soak audit)."""
+    def _fail(self, poisoned: bool) -> None:
+        """A state of it failed (the compiler compiles it afresh for the next request). `poisoned`: past the
+        engine's limits, its lexer, shared with the pristine matcher, is in an error state: let go at once (it held
+        some 90 MB for `a{999990}` as long as the cache kept the entry; found by a soak audit). A dead end leaves it
+        sound."""
         self.failed = True
-        self._matcher = None
+        if poisoned:
+            self._matcher = None
 
 
 class GrammarCompiler:
@@ -298,7 +301,7 @@ class GrammarState:
         if self.matcher.is_error():
             self._fail(f"is beyond the grammar engine's limits after {len(self.tokens)} tokens "
                        f"({_first_lines(self.matcher.get_error(), 1)}); simplify it (smaller repetition counts, "
-                       f"fewer alternatives)")
+                       f"fewer alternatives)", poisoned=True)
 
     def _dead_end(self, at: int | None = None) -> None:
         """Raise for a dead end `at` tokens in (where the grammar goes on only through text no token of the
@@ -307,9 +310,9 @@ class GrammarState:
         self._fail(f"cannot be completed with this model's tokens after {at} tokens: it goes on only through text "
                    f"that no token writes (a character outside the vocabulary)")
 
-    def _fail(self, problem: str) -> None:
+    def _fail(self, problem: str, poisoned: bool = False) -> None:
         if self._on_error is not None:
-            self._on_error()
+            self._on_error(poisoned)
         kind, field = (self.constraint.kind, self.constraint.field) if self.constraint else ("grammar", None)
         raise SpecDecError(f"the {kind} {problem}", field=field)
 

@@ -187,6 +187,12 @@ def test_a_failed_grammar_lets_its_lexer_go_at_once(tiny):
     assert error.value.field == "structured_outputs.regex"
     again = compiler.compile(constraint)
     assert again is not compiled and again._matcher is not None
+    # a dead end (a character no token writes) depends on the path taken and leaves the lexer sound: the entry
+    # keeps its matcher (found by a review: requests queued with it were refused)
+    dead_end = compiler.compile(Constraint("regex", "ab\tc", field="structured_outputs.regex"))
+    with pytest.raises(SpecDecError, match="cannot be completed"):
+        decoder.generate(prompt, params=SamplingParams(max_new_tokens=10, temperature=0), grammar=dead_end)
+    assert dead_end.failed and dead_end._matcher is not None and dead_end.start(set()) is not None
 
 
 @pytest.mark.parametrize("method", ["target", "google"])

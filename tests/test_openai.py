@@ -229,6 +229,45 @@ def test_an_answer_made_off_the_event_loop_is_jsonifys_bytes(client, app):
             assert response.get_data() == jsonify(response.get_json()).get_data()
 
 
+def test_a_grammar_that_failed_while_a_request_waited_is_compiled_afresh_for_it(service):
+    """Found by a review: a request handed a cached grammar that another request's failure then let go (its
+    lexer past the engine's limits) was refused; it now takes the grammar compiled afresh."""
+    from specdec.grammar import Constraint
+    from specdec.serve.service import RequestRecord
+
+    compiled = service.grammar(Constraint("regex", "a{3}", field="structured_outputs.regex"))
+    compiled._fail(True)  # as another request's failure leaves it
+    ids = service.encode("pick:")
+    generation = service.generation(ids, service.settings.sampling.replace(max_new_tokens=8, seed=1),
+                                    RequestRecord("r"), grammar=compiled)
+    try:
+        generation.run()
+    finally:
+        generation.close()
+    assert generation.completion.text == "aaa" and generation.finish_reason() == "stop"
+
+
+def test_a_large_text_is_tokenized_with_a_copy_of_the_tokenizer_under_its_own_lock(service):
+    """Found by a review: a large text tokenized off the event loop held the tokenizer's lock meanwhile, and a
+    greenlet that then took it (a stream's round, a small prompt) stopped the loop's thread until it was done.
+    The pool's thread uses a copy, under a lock of its own: the same ids, with the shared lock held elsewhere."""
+    import threading
+
+    from specdec.serve.service import LARGE_TEXT, _text_size
+
+    text = "ab cd " * (LARGE_TEXT // 5)
+    expected = service.tokenize(text[:LARGE_TEXT // 2] + "")[:5]
+    assert service.tokenize(text)[:5] == expected  # the copy is made at the first large text
+    done = {}
+    with service.tokenizer_lock:  # held, as by the engine thread or a greenlet
+        worker = threading.Thread(target=lambda: done.setdefault("ids", service.tokenize(text)))
+        worker.start()
+        worker.join(60)
+    assert not worker.is_alive() and len(done["ids"]) == len(service.tokenize(text))
+    # keys and numbers count as written (a tool's 60,000 property names measured 15 characters)
+    assert _text_size({"k" * 30_000: 1}) > LARGE_TEXT and _text_size({"enum": list(range(10_000))}) > LARGE_TEXT
+
+
 def test_each_tokens_text_and_bytes_are_found_once(service, monkeypatch):
     """Found by the same audit: logprobs decoded every token alone, 21 a position, so an echoed prompt's scores
     (16 prompts of 4,000 tokens, 20 alternatives) held the event loop for 12 s; each id is decoded once."""

@@ -6,6 +6,7 @@ the routes live in routes.py. After `drain` (SIGTERM, see worker.py) new request
 flight and queued finish.
 """
 
+import copy
 import logging
 import secrets
 import time
@@ -65,6 +66,9 @@ class Service:
         # (Generation._feed: models.decode_text under it) and around every other use of the tokenizer (a
         # greenlet holds it only while the tokenizer runs, never across a switch)
         self.tokenizer_lock = os_lock()
+        # a copy of the tokenizer for large texts tokenized off the event loop, and its own lock (`_tokenized`)
+        self._pool_tokenizer = None
+        self._pool_tokenizer_lock = os_lock()
         # each token id's text and bytes as logprobs show them, found once (`token_text`, `token_bytes`)
         self._token_texts: dict[int, str] = {}
         self._token_bytes: dict[int, bytes] = {}
@@ -186,15 +190,32 @@ class Service:
         naming `suffix` where the model has no fill-in-the-middle tokens."""
         self._refuse_certainly_too_long(suffix + (prefix if isinstance(prefix, str) else ""), None, field_name)
 
-        def encoded() -> list[int]:
-            with self.tokenizer_lock:
-                try:
-                    return encode_infill(self.tokenizer, prefix, suffix)
-                except SpecDecError as error:
-                    raise ApiError(400, "unsupported_value", error.message, error.field) from None
+        def encoded(tokenizer) -> list[int]:
+            try:
+                return encode_infill(tokenizer, prefix, suffix)
+            except SpecDecError as error:
+                raise ApiError(400, "unsupported_value", error.message, error.field) from None
 
-        ids = off_loop(encoded) if len(suffix) + _text_size(prefix) > LARGE_TEXT else encoded()
+        ids = self._tokenized(encoded, len(suffix) + _text_size(prefix) > LARGE_TEXT)
         return self._check_length(ids, 0, field_name)
+
+    def _tokenized(self, encoded, large: bool) -> list[int]:
+        """`encoded(tokenizer)` under the tokenizer's lock, here; or, for a `large` text, off the event loop
+        (concurrency.off_loop: a megabyte of /tokenize held it 2 s, found by an audit) with a copy of the tokenizer
+        under a lock of its own, which greenlets never take: a greenlet waiting there for a pool thread's long hold
+        would stop the loop's thread. The copy is made at the first large text (1.3 s for the default pair's)."""
+        if not large:
+            with self.tokenizer_lock:
+                return encoded(self.tokenizer)
+
+        def on_the_copy() -> list[int]:
+            with self._pool_tokenizer_lock:
+                if self._pool_tokenizer is None:
+                    with self.tokenizer_lock:
+                        self._pool_tokenizer = copy.deepcopy(self.tokenizer)
+                return encoded(self._pool_tokenizer)
+
+        return off_loop(on_the_copy)
 
     def tokenize(self, prompt: str | None = None, chat: bool = False, messages: list[dict] | None = None,
                  field_name: str = "prompt", tools: list[dict] | None = None, templating: dict | None = None
@@ -204,23 +225,20 @@ class Service:
         the conversation is a 422 naming `field_name`."""
         templating = templating or {}
 
-        def encoded() -> list[int]:
-            with self.tokenizer_lock:
-                if messages is None and not chat:
-                    return encode_prompt(self.tokenizer, prompt, **templating)
-                if not getattr(self.tokenizer, "chat_template", None):
-                    raise ApiError(422, "invalid_field", "this model has no chat template",
-                                   "chat" if messages is None else field_name)
-                try:
-                    return encode_messages(self.tokenizer, messages or [{"role": "user", "content": prompt}], tools,
-                                           **templating)
-                except SpecDecError as error:
-                    field = field_name if error.field == "messages" else error.field
-                    raise ApiError(422, "invalid_field", error.message, field) from None
+        def encoded(tokenizer) -> list[int]:
+            if messages is None and not chat:
+                return encode_prompt(tokenizer, prompt, **templating)
+            if not getattr(tokenizer, "chat_template", None):
+                raise ApiError(422, "invalid_field", "this model has no chat template",
+                               "chat" if messages is None else field_name)
+            try:
+                return encode_messages(tokenizer, messages or [{"role": "user", "content": prompt}], tools,
+                                       **templating)
+            except SpecDecError as error:
+                field = field_name if error.field == "messages" else error.field
+                raise ApiError(422, "invalid_field", error.message, field) from None
 
-        # a large text off the event loop: a megabyte held it (and /healthz) for 2 s (found by an audit)
-        large = _text_size(prompt) + _text_size(messages) + _text_size(tools) > LARGE_TEXT
-        return off_loop(encoded) if large else encoded()
+        return self._tokenized(encoded, _text_size(prompt) + _text_size(messages) + _text_size(tools) > LARGE_TEXT)
 
     def _refuse_certainly_too_long(self, prompt: str | None, messages: list[dict] | None, field_name: str) -> None:
         """A text with more characters than max_prompt_tokens tokens can spell (text.longest_token) is refused
@@ -304,6 +322,8 @@ class Service:
         self._refuse_if_draining(record.started)  # the one way into the engine, whichever route comes this way
         slot = self._take_engine(record) if slot is None else _Borrowed(slot)
         try:  # arguments are checked here; decoding starts on the engine thread, at the first round
+            if grammar is not None and grammar.failed:  # while this request waited: compiled afresh for it
+                grammar = self.grammar(grammar.constraint)
             stream = self.decoder.stream(prompt_ids, params=sampling, eos_token_id=self.models.eos_token_ids,
                                          grammar=grammar)
         except BaseException:
@@ -367,8 +387,8 @@ LARGE_TEXT = 20_000
 
 
 def _text_size(value, limit: int = LARGE_TEXT) -> int:
-    """The characters of the strings in a request's text, messages or tools (nested lists and dicts), counted
-    until past `limit`."""
+    """About the characters a request's text, messages or tools take in JSON (nested lists and dicts: their keys,
+    strings and other values as written), counted until past `limit`."""
     if isinstance(value, str):
         return len(value)
     size, pending = 0, [value]
@@ -377,9 +397,12 @@ def _text_size(value, limit: int = LARGE_TEXT) -> int:
         if isinstance(item, str):
             size += len(item)
         elif isinstance(item, dict):
+            pending.extend(item.keys())
             pending.extend(item.values())
         elif isinstance(item, (list, tuple)):
             pending.extend(item)
+        elif item is not None:
+            size += len(str(item))
     return size
 
 

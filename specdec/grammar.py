@@ -145,10 +145,10 @@ class CompiledGrammar:
                             constraint=self.constraint, on_error=self._fail)
 
     def _fail(self, poisoned: bool) -> None:
-        """A state of it failed (the compiler compiles it afresh for the next request). `poisoned`: past the
-        engine's limits, its lexer, shared with the pristine matcher, is in an error state: let go at once (it held
-        some 90 MB for `a{999990}` as long as the cache kept the entry; found by a soak audit). A dead end leaves it
-        sound."""
+        """A state of it failed (the compiler compiles it afresh for the next request). `poisoned`: its lexer,
+        shared with the pristine matcher, went past the engine's limits: the pristine matcher is let go at once (it
+        held some 90 MB for `a{999990}` as long as the cache kept the entry; found by a soak audit). A dead end, or
+        one request's refused token, leaves it sound."""
         self.failed = True
         if poisoned:
             self._matcher = None
@@ -299,9 +299,10 @@ class GrammarState:
     def _check(self) -> None:
         """Raise if the matcher has failed: the request's constraint went beyond the grammar engine's limits."""
         if self.matcher.is_error():
+            error = self.matcher.get_error()  # llguidance's: "lexer error: ..." past its limits
             self._fail(f"is beyond the grammar engine's limits after {len(self.tokens)} tokens "
-                       f"({_first_lines(self.matcher.get_error(), 1)}); simplify it (smaller repetition counts, "
-                       f"fewer alternatives)", poisoned=True)
+                       f"({_first_lines(error, 1)}); simplify it (smaller repetition counts, fewer alternatives)",
+                       poisoned=error.startswith("lexer error"))
 
     def _dead_end(self, at: int | None = None) -> None:
         """Raise for a dead end `at` tokens in (where the grammar goes on only through text no token of the

@@ -389,21 +389,25 @@ def test_a_megabyte_to_tokenize_leaves_the_event_loop_answering(server):
     text on the event loop, holding /healthz (and every connection) for 2 s. A large text is tokenized on a thread
     (concurrency.off_loop), the loop answering meanwhile, within issue 16's 1 s."""
     text = ("abc def " * 131_000)[:1_040_000]  # under max_body_bytes, with the JSON around it
+    response, latencies = healthz_during(server, "/tokenize", {"prompt": text}, every=0.05)
+    assert response.status_code == 200 and response.json()["count"] >= len(text) // 8
+    assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
+
+
+def healthz_during(server, path: str, body: dict, every: float):
+    """POST `body` to `path` on a thread while /healthz is asked every `every` seconds: (the POST's response, each
+    /healthz's seconds)."""
     answer, latencies = {}, []
-
-    def tokenize():
-        answer["response"] = requests.post(server.url + "/tokenize", json={"prompt": text}, timeout=120)
-
-    worker = threading.Thread(target=tokenize)
+    worker = threading.Thread(target=lambda: answer.setdefault(
+        "response", requests.post(server.url + path, json=body, timeout=300)))
     worker.start()
     while worker.is_alive():
         started = time.perf_counter()
         assert requests.get(server.url + "/healthz", timeout=30).status_code == 200
         latencies.append(time.perf_counter() - started)
-        time.sleep(0.05)
+        time.sleep(every)
     worker.join()
-    assert answer["response"].status_code == 200 and answer["response"].json()["count"] >= len(text) // 8
-    assert len(latencies) >= 3 and max(latencies) < 1.0, latencies
+    return answer["response"], latencies
 
 
 def test_an_answer_with_logprobs_is_made_off_the_event_loop(server):
@@ -412,19 +416,7 @@ def test_an_answer_with_logprobs_is_made_off_the_event_loop(server):
     250 tokens (the tiny pair's context), which held it for most of a second."""
     prompts = ["".join(chr(97 + (i * 7 + j * 3) % 26) for j in range(250)) for i in range(16)]
     body = {"model": "target", "prompt": prompts, "max_tokens": 1, "echo": True, "logprobs": 20, "temperature": 0}
-    answer, latencies = {}, []
-
-    def complete():
-        answer["response"] = requests.post(server.url + "/v1/completions", json=body, timeout=300)
-
-    worker = threading.Thread(target=complete)
-    worker.start()
-    while worker.is_alive():
-        started = time.perf_counter()
-        assert requests.get(server.url + "/healthz", timeout=30).status_code == 200
-        latencies.append(time.perf_counter() - started)
-        time.sleep(0.02)
-    worker.join()
-    choices = answer["response"].json()["choices"]
+    response, latencies = healthz_during(server, "/v1/completions", body, every=0.02)
+    choices = response.json()["choices"]
     assert len(choices) == 16 and all(len(choice["logprobs"]["tokens"]) >= 251 for choice in choices)
     assert max(latencies) < 0.4, sorted(latencies)[-5:]
